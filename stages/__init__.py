@@ -1,0 +1,1 @@
+"""eldr's pipeline stages: capture, fit, serve, bench, and the formats they share."""

@@ -1,0 +1,1 @@
+"""Signature capture inside vLLM (plugin + KV connector) and the `eldr capture` runner."""

@@ -1,0 +1,160 @@
+"""``EldrSignatureConnector``: vLLM KV connector that records expert signatures.
+
+It moves no KV itself. For PD it runs beside vLLM's NixlConnector inside vLLM's own
+``MultiConnector`` (composition, no copy: see ``stages.engine.kv_transfer_config``), listed
+first so the ``kv_transfer_params`` dict of a finished prefill is the one this connector
+returns and later fills with the signature. Alone, it serves ``eldr capture`` (signature and
+per-request decode counts, ``count_decode`` in its extra config).
+
+Paths across vLLM's processes:
+- worker process: :class:`SignatureRecorder` hooks every MoE router and keeps the
+  block-indexed table;
+- engine-core (scheduler) process: :class:`SignatureLedger` plans each step (the plan rides in
+  the connector metadata vLLM sends to workers) and files the worker's report (it rides back
+  in ``kv_connector_worker_meta``); it returns the signature in ``kv_transfer_params``;
+- API-server process: decode-step statistics arrive as connector stats and are exported as
+  Prometheus metrics by :class:`EldrPromMetrics`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.logger import init_logger
+
+from stages.capture.ledger import SignatureLedger
+from stages.capture.messages import StepPlan, StepReport
+from stages.capture.recorder import SignatureRecorder
+from stages.capture.stats import EldrConnectorStats, EldrPromMetrics
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class EldrSignatureConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._count_decode = bool(extra.get("count_decode", False))
+        self._block_size = vllm_config.cache_config.block_size
+        self._recorder: SignatureRecorder | None = None
+        self._ledger: SignatureLedger | None = None
+        self._pending_report: StepReport | None = None
+        self._stats = EldrConnectorStats()
+        if role == KVConnectorRole.SCHEDULER:
+            self._ledger = SignatureLedger(self._block_size, None, self._count_decode)
+        else:
+            self._recorder = SignatureRecorder(kv_cache_config.num_blocks, self._block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- worker side ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._recorder is not None
+        device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
+        context = self._vllm_config.compilation_config.static_forward_context
+        bound = self._recorder.bind(context, device)
+        if bound == 0:
+            logger.warning("eldr: no MoE router found; this model yields no signatures")
+        else:
+            logger.info(
+                "eldr: recording expert signatures for %d MoE layers x %d experts",
+                bound, self._recorder.num_experts,
+            )
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._recorder is not None and isinstance(connector_metadata, StepPlan):
+            self._recorder.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._recorder is None:
+            return None
+        return self._recorder.end_step()
+
+    # -- scheduler side ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens > 0 and self._ledger is not None:
+            self._ledger.mark_remote(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._ledger is not None
+        return self._ledger.plan(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._ledger is not None
+        report = connector_output.kv_connector_worker_meta
+        report = report if isinstance(report, StepReport) else None
+        self._ledger.apply(report)
+        if report is not None and report.decode_steps:
+            self._stats.add(report)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._ledger is not None
+        return False, self._ledger.finished(request.request_id)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, EldrConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return EldrConnectorStats(data=data) if data is not None else EldrConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return EldrPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

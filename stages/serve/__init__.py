@@ -1,0 +1,1 @@
+"""`eldr serve`: vLLM prefill/decode workers behind an expert-locality routing proxy."""

@@ -1,0 +1,1 @@
+"""The expert-signature formats shared by every stage (wire, dataset, transform)."""

@@ -1,0 +1,243 @@
+"""The signature dataset: the one module that reads and writes eldr's zarr stores.
+
+Layout (zarr v3 group, every array chunked along ``request`` and compressed):
+
+- ``prefill_counts`` int32 ``[request, layer, expert]``: prompt tokens whose top-k picked the
+  expert (the request's prefill signature, as delivered to the proxy).
+- ``decode_counts``  int32 ``[request, layer, expert]``: the same over generated tokens.
+- ``prompt_tokens``, ``output_tokens`` int32 ``[request]``.
+- ``id``, ``domain``, ``prompt_sha256`` strings ``[request]``.
+
+Group attributes hold the schema version, the model identity (name, L, E, top_k), the vLLM
+version and ``committed``: the number of complete rows. Appends write the arrays first and
+bump ``committed`` last, so a run killed mid-append leaves rows beyond ``committed`` that the
+next open trims: nothing half-written is ever read, and nothing committed is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from stages.errors import EldrError
+
+SCHEMA_VERSION = 1
+SCHEMA_NAME = "eldr.signatures"
+CHUNK_ROWS = 256
+COUNT_ARRAYS = ("prefill_counts", "decode_counts")
+SCALAR_ARRAYS = ("prompt_tokens", "output_tokens")
+STRING_ARRAYS = ("id", "domain", "prompt_sha256")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a signature means: which model, how many MoE layers/experts, how many picked."""
+
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_layers, self.num_experts)
+
+    def describe(self) -> str:
+        return f"{self.name} (L={self.num_layers}, E={self.num_experts}, top_k={self.top_k})"
+
+
+@dataclass(frozen=True)
+class CaptureRecord:
+    id: str
+    domain: str
+    prompt_sha256: str
+    prompt_tokens: int
+    output_tokens: int
+    prefill_counts: np.ndarray  # [L, E]
+    decode_counts: np.ndarray  # [L, E]
+
+
+@dataclass(frozen=True)
+class SignatureArrays:
+    """A dataset read into memory."""
+
+    ids: np.ndarray
+    domains: np.ndarray
+    prompt_sha256: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    prefill_counts: np.ndarray  # int32 [N, L, E]
+    decode_counts: np.ndarray  # int32 [N, L, E]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def prompt_digest(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+
+class SignatureDataset:
+    """An open signature store. Create with :meth:`create_or_open`, read with :meth:`open`."""
+
+    def __init__(self, group: zarr.Group, path: Path) -> None:
+        self._group = group
+        self.path = path
+        attrs = group.attrs.asdict()
+        self.identity = ModelIdentity(**attrs["model"])
+        self.vllm_version = str(attrs.get("vllm_version", "unknown"))
+
+    # -- opening -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: Path, writable: bool = False) -> SignatureDataset:
+        path = Path(path)
+        if not path.exists():
+            raise EldrError(
+                f"no signature dataset at {path}; run `eldr capture` first (or pass --data)"
+            )
+        try:
+            group = zarr.open_group(str(path), mode="r+" if writable else "r")
+        except Exception as exc:  # zarr raises many types for a damaged store
+            raise EldrError(f"{path} is not a readable zarr signature dataset: {exc}") from exc
+        attrs = group.attrs.asdict()
+        if attrs.get("schema") != SCHEMA_NAME:
+            raise EldrError(f"{path} is not an eldr signature dataset (no '{SCHEMA_NAME}' schema)")
+        if attrs.get("schema_version") != SCHEMA_VERSION:
+            raise EldrError(
+                f"{path} has schema version {attrs.get('schema_version')}, this eldr reads"
+                f" version {SCHEMA_VERSION}; capture into a new path"
+            )
+        try:
+            dataset = cls(group, path)
+            dataset._check_arrays()
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EldrError(f"{path} is damaged: {exc}") from exc
+        if writable:
+            dataset._trim_uncommitted()
+        return dataset
+
+    @classmethod
+    def create_or_open(
+        cls, path: Path, identity: ModelIdentity, vllm_version: str
+    ) -> SignatureDataset:
+        """Open for appending; refuse (never overwrite) a store of another model."""
+        path = Path(path)
+        if path.exists():
+            dataset = cls.open(path, writable=True)
+            if dataset.identity != identity:
+                raise EldrError(
+                    f"{path} holds signatures of {dataset.identity.describe()}, not of"
+                    f" {identity.describe()}; choose another --out path"
+                )
+            return dataset
+        path.parent.mkdir(parents=True, exist_ok=True)
+        group = zarr.open_group(str(path), mode="w-", zarr_format=3)
+        group.attrs.update(
+            {
+                "schema": SCHEMA_NAME,
+                "schema_version": SCHEMA_VERSION,
+                "model": asdict(identity),
+                "vllm_version": vllm_version,
+                "committed": 0,
+            }
+        )
+        num_layers, num_experts = identity.shape
+        for name in COUNT_ARRAYS:
+            group.create_array(
+                name,
+                shape=(0, num_layers, num_experts),
+                dtype="int32",
+                chunks=(CHUNK_ROWS, num_layers, num_experts),
+                dimension_names=["request", "layer", "expert"],
+                attributes={"description": f"{name.split('_')[0]} top-k counts per expert"},
+            )
+        for name in SCALAR_ARRAYS:
+            group.create_array(
+                name, shape=(0,), dtype="int32", chunks=(CHUNK_ROWS * 16,),
+                dimension_names=["request"],
+            )
+        for name in STRING_ARRAYS:
+            group.create_array(
+                name, shape=(0,), dtype=str, chunks=(CHUNK_ROWS * 16,),
+                dimension_names=["request"],
+            )
+        return cls(group, path)
+
+    # -- reading -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._group.attrs["committed"])
+
+    def ids(self) -> set[str]:
+        n = len(self)
+        return set(self._group["id"][:n].tolist()) if n else set()
+
+    def read(self) -> SignatureArrays:
+        n = len(self)
+        if n == 0:
+            raise EldrError(f"{self.path} holds no signatures yet; run `eldr capture`")
+        return SignatureArrays(
+            ids=np.asarray(self._group["id"][:n]),
+            domains=np.asarray(self._group["domain"][:n]),
+            prompt_sha256=np.asarray(self._group["prompt_sha256"][:n]),
+            prompt_tokens=np.asarray(self._group["prompt_tokens"][:n]),
+            output_tokens=np.asarray(self._group["output_tokens"][:n]),
+            prefill_counts=np.asarray(self._group["prefill_counts"][:n]),
+            decode_counts=np.asarray(self._group["decode_counts"][:n]),
+        )
+
+    def content_hash(self) -> str:
+        """sha256 over the committed rows, in order: identifies the data an artifact saw."""
+        digest = hashlib.sha256()
+        digest.update(repr(asdict(self.identity)).encode())
+        n = len(self)
+        for name in COUNT_ARRAYS + SCALAR_ARRAYS:
+            digest.update(np.ascontiguousarray(self._group[name][:n]).tobytes())
+        for name in STRING_ARRAYS:
+            digest.update("\0".join(self._group[name][:n].tolist()).encode())
+        return digest.hexdigest()
+
+    # -- writing -------------------------------------------------------------------------
+    def append(self, records: Sequence[CaptureRecord]) -> None:
+        if not records:
+            return
+        shape = self.identity.shape
+        for record in records:
+            for counts in (record.prefill_counts, record.decode_counts):
+                if counts.shape != shape:
+                    raise ValueError(f"record {record.id}: counts {counts.shape} != {shape}")
+        n = len(self)
+        columns: dict[str, np.ndarray] = {
+            "prefill_counts": np.stack([r.prefill_counts for r in records]).astype(np.int32),
+            "decode_counts": np.stack([r.decode_counts for r in records]).astype(np.int32),
+            "prompt_tokens": np.array([r.prompt_tokens for r in records], dtype=np.int32),
+            "output_tokens": np.array([r.output_tokens for r in records], dtype=np.int32),
+            "id": np.array([r.id for r in records], dtype=object),
+            "domain": np.array([r.domain for r in records], dtype=object),
+            "prompt_sha256": np.array([r.prompt_sha256 for r in records], dtype=object),
+        }
+        for name, values in columns.items():
+            array = self._group[name]
+            array.resize((n + len(records), *array.shape[1:]))
+            array[n:] = values
+        self._group.attrs["committed"] = n + len(records)
+
+    def _check_arrays(self) -> None:
+        for name in COUNT_ARRAYS:
+            if tuple(self._group[name].shape[1:]) != self.identity.shape:
+                raise ValueError(f"{name} shape {self._group[name].shape} != model shape")
+        n = len(self)
+        for name in COUNT_ARRAYS + SCALAR_ARRAYS + STRING_ARRAYS:
+            if self._group[name].shape[0] < n:
+                raise ValueError(f"{name} has fewer rows than the {n} committed")
+
+    def _trim_uncommitted(self) -> None:
+        n = len(self)
+        for name in COUNT_ARRAYS + SCALAR_ARRAYS + STRING_ARRAYS:
+            array = self._group[name]
+            if array.shape[0] > n:
+                array.resize((n, *array.shape[1:]))

@@ -1,0 +1,49 @@
+"""How a prefill signature travels inside ``kv_transfer_params`` (prefill -> proxy).
+
+A signature is the ``[L, E]`` table of prompt tokens whose top-k picked expert ``e`` in MoE
+layer ``l``. It is sent as little-endian int16, base64, next to its shape, so the proxy can
+validate it before use (non-negative, right size) and never trusts a malformed one.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+
+SIGNATURE_KEY = "eldr_signature"
+SHAPE_KEY = "eldr_signature_shape"
+MAX_COUNT = np.iinfo(np.int16).max
+
+
+def encode(counts: np.ndarray) -> dict[str, Any]:
+    """Pack ``[L, E]`` counts for ``kv_transfer_params`` (saturating at int16 max)."""
+    if counts.ndim != 2:
+        raise ValueError(f"signature must be [L, E], got shape {counts.shape}")
+    packed = np.clip(counts, 0, MAX_COUNT).astype("<i2")
+    return {
+        SIGNATURE_KEY: base64.b64encode(packed.tobytes()).decode("ascii"),
+        SHAPE_KEY: [int(counts.shape[0]), int(counts.shape[1])],
+    }
+
+
+def decode(params: dict[str, Any] | None, expected_shape: tuple[int, int] | None = None) -> (
+    np.ndarray | None
+):
+    """Return the ``[L, E]`` int32 counts, or ``None`` when absent or malformed."""
+    if not params or SIGNATURE_KEY not in params:
+        return None
+    try:
+        shape = tuple(int(x) for x in params[SHAPE_KEY])
+        raw = base64.b64decode(params[SIGNATURE_KEY], validate=True)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if len(shape) != 2 or shape[0] * shape[1] * 2 != len(raw):
+        return None
+    if expected_shape is not None and shape != tuple(expected_shape):
+        return None
+    counts = np.frombuffer(raw, dtype="<i2").reshape(shape).astype(np.int32)
+    if (counts < 0).any():
+        return None
+    return counts
