@@ -50,7 +50,7 @@ class ServerSpec:
     served_name: str | None = None
     max_model_len: int = 1024
     max_num_seqs: int = 8
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: int = 1
     cpu_cores: str | None = None  # e.g. "0" or "0-1"; None lets vLLM decide
     nixl_side_channel_port: int | None = None
     enable_prefix_caching: bool = True
@@ -106,7 +106,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     else:
         argv += ["--no-enable-prefix-caching"]
     if spec.eldr_plugin:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec.role, spec.count_decode))]
+        config = kv_transfer_config(spec.role, spec.count_decode)
+        argv += ["--kv-transfer-config", json.dumps(config)]
     argv += list(spec.extra_args)
 
     env = dict(os.environ)

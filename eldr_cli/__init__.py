@@ -1,0 +1,1 @@
+"""The ``eldr`` command-line interface."""

@@ -1,0 +1,3 @@
+from eldr_cli.app import main
+
+main()

@@ -1,0 +1,109 @@
+"""`eldr serve`."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from eldr_cli.options import ModelOption, SeedOption
+from stages import paths
+from stages.errors import EldrError
+
+
+def serve(
+    model: ModelOption = "tiny",
+    prefill: Annotated[int, typer.Option(help="Prefill workers to start.", min=1)] = 1,
+    decode: Annotated[int, typer.Option(help="Decode workers to start.", min=1)] = 2,
+    policy: Annotated[str, typer.Option(help="Decode routing: eldr, rr, jsq, random, p2c.")]
+    = "eldr",
+    tau: Annotated[float, typer.Option(help="Locality band width for --policy eldr (0: nearest"
+                                       " centroid only, 1: pure join-shortest-queue).")] = 0.1,
+    artifact: Annotated[str, typer.Option(help="Artifact version from `eldr fit` (or 'latest').")]
+    = "latest",
+    store: Annotated[Path | None, typer.Option(help="Artifact store. Default: $ELDR_HOME/"
+                                               "artifacts.", show_default=False)] = None,
+    host: Annotated[str, typer.Option(help="Proxy bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Proxy port.")] = 8000,
+    worker_port: Annotated[int, typer.Option(help="First port of the started vLLM workers.")]
+    = 8100,
+    attach_prefill: Annotated[list[str] | None, typer.Option(
+        help="URL of a running prefill worker (repeat); starts no workers.")] = None,
+    attach_decode: Annotated[list[str] | None, typer.Option(
+        help="URL of a running decode worker (repeat); starts no workers.")] = None,
+    online_refit: Annotated[bool, typer.Option(help="Refit centroids on recent signatures"
+                                               " every few seconds.")] = False,
+    max_num_seqs: Annotated[int, typer.Option(help="Per-worker batch limit (vLLM"
+                                              " --max-num-seqs).")] = 8,
+    max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len.")] = 1024,
+    seed: SeedOption = 0,
+) -> None:
+    """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
+    the routing proxy in front of them. Ctrl-C or SIGTERM stops everything started."""
+    from stages.models import resolve_model
+    from stages.serve.config import ProxyConfig
+    from stages.serve.launcher import Cluster, ClusterSpec
+    from stages.serve.proxy import run_proxy
+
+    attach = bool(attach_prefill or attach_decode)
+    if attach and not (attach_prefill and attach_decode):
+        raise EldrError("--attach-prefill and --attach-decode must be given together")
+    store_path = store or paths.default_artifact_store()
+    resolved = resolve_model(model)
+    num_decode = len(attach_decode) if attach_decode else decode
+    if policy == "eldr":
+        _check_artifact(store_path, artifact, resolved.identity, num_decode)
+
+    def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    cluster = Cluster(ClusterSpec(
+        model=resolved.source, served_name=model, prefill=prefill, decode=decode,
+        base_port=worker_port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        log_dir=paths.eldr_home() / "logs",
+    ))
+    try:
+        if attach:
+            prefill_urls, decode_urls = list(attach_prefill or []), list(attach_decode or [])
+        else:
+            typer.echo(f"starting {prefill} prefill + {decode} decode vLLM workers on"
+                       f" {resolved.source} (logs in {cluster.spec.log_dir})")
+            from tqdm import tqdm
+
+            with tqdm(total=prefill + decode, desc="workers ready", unit="worker") as bar:
+                cluster.start(on_ready=lambda server: bar.update(1))
+            prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
+        config = ProxyConfig(
+            prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
+            tau=tau, artifact_store=store_path if policy == "eldr" or store_path.exists()
+            else None, artifact_version=artifact, model=model, online_refit=online_refit,
+            seed=seed,
+        )
+        typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
+        signal.signal(signal.SIGTERM, previous)  # uvicorn handles SIGTERM from here on
+        run_proxy(config, host=host, port=port, log_level="warning")
+    finally:
+        cluster.stop()
+
+
+def _check_artifact(store: Path, version: str, identity: object, num_decode: int) -> None:
+    from stages.fit.artifact import ArtifactStore, check_identity
+
+    if not store.exists() or not any(store.iterdir()):
+        raise EldrError(
+            f"--policy eldr needs a fitted artifact and {store} has none: run `eldr capture`"
+            f" then `eldr fit --k {num_decode} --balanced` (one cluster per decode worker), or"
+            " serve with a load-only policy (--policy jsq)"
+        )
+    loaded = ArtifactStore(store).load(version)
+    check_identity(loaded, identity)
+    k = loaded.centroids.shape[0]
+    if k != num_decode:
+        raise EldrError(
+            f"artifact {loaded.version} has {k} centroids but {num_decode} decode workers are"
+            f" served; fit one with `eldr fit --k {num_decode} --balanced`"
+        )

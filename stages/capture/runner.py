@@ -1,0 +1,139 @@
+"""`eldr capture`: run prompts through real vLLM with the signature connector, store them.
+
+The engine is vLLM's offline ``LLM`` (its engine core and worker are separate processes, the
+same code the servers run), configured with eldr's connector alone and decode counting on.
+Prompts go in batches; each finished batch is appended to the dataset, so an interrupted run
+keeps what it finished and a re-run skips ids already stored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.bench.prompts import Prompt
+from stages.errors import EldrError
+from stages.models import ResolvedModel
+from stages.signature import wire
+from stages.signature.dataset import CaptureRecord, SignatureDataset, prompt_digest
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    max_tokens: int = 32
+    batch_size: int = 64
+    max_model_len: int = 1024
+    max_num_seqs: int = 8
+    kv_cache_gib: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CaptureSummary:
+    path: Path
+    captured: int
+    skipped: int
+    total: int
+
+
+def capture(
+    model: ResolvedModel,
+    prompts: Sequence[Prompt],
+    out: Path,
+    config: CaptureConfig,
+    progress: Callable[[int], None] | None = None,
+) -> CaptureSummary:
+    from vllm import __version__ as vllm_version
+
+    dataset = SignatureDataset.create_or_open(out, model.identity, vllm_version)
+    done = dataset.ids()
+    todo = [p for p in prompts if p.id not in done]
+    skipped = len(prompts) - len(todo)
+    if progress is not None and skipped:
+        progress(skipped)
+    if todo:
+        engine = _start_engine(model, config)
+        try:
+            for batch in _batches(todo, config.batch_size):
+                dataset.append(_run_batch(engine, model, batch, config))
+                if progress is not None:
+                    progress(len(batch))
+        finally:
+            _stop_engine(engine)
+    return CaptureSummary(out, len(todo), skipped, len(dataset))
+
+
+def _start_engine(model: ResolvedModel, config: CaptureConfig) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from stages.engine import kv_transfer_config, on_cpu
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    extra: dict[str, Any] = {"dtype": "bfloat16", "enforce_eager": True} if on_cpu() else {}
+    return LLM(
+        model=model.source,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        enable_prefix_caching=True,
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config("plain", count_decode=True)),
+        seed=config.seed,
+        **extra,
+    )
+
+
+def _stop_engine(engine: Any) -> None:
+    shutdown = getattr(getattr(engine, "llm_engine", None), "engine_core", None)
+    if shutdown is not None and hasattr(shutdown, "shutdown"):
+        shutdown.shutdown()
+
+
+def _batches(items: Sequence[Prompt], size: int) -> Iterator[Sequence[Prompt]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _run_batch(
+    engine: Any, model: ResolvedModel, batch: Sequence[Prompt], config: CaptureConfig
+) -> list[CaptureRecord]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0, ignore_eos=True)
+    # Tokenised here, as the OpenAI server does, so an over-long prompt keeps its last tokens
+    # (what decoding attends to most) instead of failing the whole batch.
+    tokenizer = engine.get_tokenizer()
+    keep = config.max_model_len - config.max_tokens
+    inputs = [{"prompt_token_ids": tokenizer.encode(p.prompt)[-keep:]} for p in batch]
+    outputs = engine.generate(inputs, params, use_tqdm=False)
+    shape = model.identity.shape
+    records = []
+    for prompt, output in zip(batch, outputs, strict=True):
+        kv = output.kv_transfer_params or {}
+        prefill = wire.decode(kv, shape)
+        decode = wire.decode(
+            {wire.SIGNATURE_KEY: kv.get("eldr_decode_counts"), wire.SHAPE_KEY: list(shape)},
+            shape,
+        )
+        if prefill is None or decode is None:
+            raise EldrError(
+                "vLLM returned no expert signature: is eldr installed in the environment vLLM"
+                " runs in (`pip install -e .`), and is the model a supported MoE?"
+            )
+        records.append(
+            CaptureRecord(
+                id=prompt.id,
+                domain=prompt.domain,
+                prompt_sha256=prompt_digest(prompt.prompt),
+                prompt_tokens=len(output.prompt_token_ids),
+                output_tokens=len(output.outputs[0].token_ids),
+                prefill_counts=prefill.astype(np.int32),
+                decode_counts=decode.astype(np.int32),
+            )
+        )
+    return records

@@ -1,0 +1,149 @@
+"""Model names users type: bundled presets, well-known hub models, or any path / hub id.
+
+Resolution never downloads and never hangs: a hub model is used when its weights are already in
+the local Hugging Face cache, or when the hub may be reached (``HF_HUB_OFFLINE`` unset), in which
+case vLLM downloads it as usual. Otherwise the user gets a message naming what to run instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.errors import EldrError
+from stages.paths import BUNDLED_MODELS_DIR
+from stages.signature.dataset import ModelIdentity
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    description: str
+    hub_id: str | None = None  # None: bundled with eldr
+    derived: bool = False  # built at first use from the bundled weights
+
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset("tiny", "bundled 28M-parameter Mixtral-style MoE (16 experts, top-2)"),
+        ModelPreset(
+            "tiny-wide",
+            "tiny with experts widened by zero units: same outputs and routing, memory-bound",
+            derived=True,
+        ),
+        ModelPreset("mixtral", "Mixtral 8x7B Instruct", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
+        ModelPreset("qwen3-moe", "Qwen3 30B-A3B", "Qwen/Qwen3-30B-A3B"),
+        ModelPreset("gpt-oss", "gpt-oss 120B", "openai/gpt-oss-120b"),
+        ModelPreset("olmoe", "OLMoE 1B-7B Instruct", "allenai/OLMoE-1B-7B-0924-Instruct"),
+    )
+}
+BUNDLED_HINT = "run the bundled model instead: `--model tiny` (or `--model tiny-wide`)"
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what the user typed (preset name, path or hub id)
+    source: str  # what vLLM gets as --model: a local directory or a hub id
+    identity: ModelIdentity
+
+
+def resolve_model(name: str) -> ResolvedModel:
+    preset = PRESETS.get(name)
+    if preset is not None and preset.hub_id is None:
+        if preset.derived:
+            from stages.model_widen import ensure_wide_model
+
+            path = ensure_wide_model()
+        else:
+            path = BUNDLED_MODELS_DIR / name
+        if not (path / "config.json").exists():
+            raise EldrError(f"bundled model '{name}' is missing at {path}; reinstall eldr")
+        return ResolvedModel(name, str(path), identity_from_config(path / "config.json", name))
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise EldrError(f"{local} has no config.json: not a Hugging Face model directory")
+        return ResolvedModel(name, str(local), identity_from_config(local / "config.json", name))
+    hub_id = preset.hub_id if preset is not None else name
+    if "/" not in hub_id:
+        known = ", ".join(PRESETS)
+        raise EldrError(f"unknown model '{name}': use a preset ({known}), a directory or a hub id")
+    return _resolve_hub(name, hub_id)
+
+
+def _resolve_hub(name: str, hub_id: str) -> ResolvedModel:
+    config = _cached_hub_file(hub_id, "config.json")
+    if config is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        reason = (
+            "HF_HUB_OFFLINE is set"
+            if offline
+            else "the Hugging Face hub cannot be reached from this machine"
+        )
+        if offline or not _hub_reachable():
+            raise EldrError(
+                f"the weights of '{name}' ({hub_id}) are not in the local Hugging Face cache and"
+                f" {reason}. Download them on a connected machine (`huggingface-cli download"
+                f" {hub_id}`) and pass the directory with --model, or {BUNDLED_HINT}."
+            )
+        config = _download_config(hub_id)
+    return ResolvedModel(name, hub_id, identity_from_config(config, name))
+
+
+def _cached_hub_file(hub_id: str, filename: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(hub_id, filename)
+    return Path(found) if isinstance(found, str) else None
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    import httpx
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        httpx.head(endpoint, timeout=timeout_s)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def _download_config(hub_id: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(hub_id, "config.json"))
+
+
+def identity_from_config(config_path: Path, name: str) -> ModelIdentity:
+    """L, E and top-k from a Hugging Face config, whatever the MoE family calls them."""
+    config = json.loads(Path(config_path).read_text())
+    config = config.get("text_config", config)
+    experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts")
+    top_k = _first(config, "num_experts_per_tok", "experts_per_token", "moe_top_k")
+    layers = _first(config, "num_hidden_layers", "n_layers")
+    if experts is None or top_k is None or layers is None:
+        raise EldrError(f"{config_path} does not describe a mixture-of-experts model")
+    # Variants that keep routing identical (tiny and tiny-wide) share one identity, so their
+    # signatures and artifacts are interchangeable.
+    routing_id = str(config.get("eldr_routing_id", name))
+    return ModelIdentity(routing_id, int(layers), int(experts), int(top_k))
+
+
+def _first(config: dict[str, object], *keys: str) -> int | None:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def hub_cache_status(hub_id: str) -> str:
+    """A look at the local cache only: listing presets must not touch the network."""
+    if _cached_hub_file(hub_id, "config.json") is not None:
+        return "in the local Hugging Face cache"
+    return "not cached; vLLM downloads it where the hub is reachable"

@@ -1,0 +1,112 @@
+"""Start the vLLM prefill/decode workers `eldr serve` fronts, and stop all of them.
+
+Workers are real vLLM OpenAI servers with eldr's connector composed with NixlConnector. On CPU,
+each worker gets its own cores when there are enough, otherwise workers are spread over the
+cores round-robin (oversubscribing a core with two OpenMP teams is far slower than sharing).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.engine import ServerSpec, VllmServer, on_cpu
+from stages.errors import EldrError
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str  # vLLM --model: local directory or hub id
+    served_name: str
+    prefill: int = 1
+    decode: int = 2
+    base_port: int = 8100
+    nixl_base_port: int = 5600
+    max_model_len: int = 1024
+    max_num_seqs: int = 8
+    kv_cache_gib: int = 1
+    log_dir: Path = Path(".eldr/logs")
+    extra_args: tuple[str, ...] = ()
+
+
+def core_plan(num_servers: int, cores: list[int]) -> list[str | None]:
+    """OMP core binding per server, as VLLM_CPU_OMP_THREADS_BIND values."""
+    if not cores:
+        return [None] * num_servers
+    if len(cores) >= num_servers:
+        share = len(cores) // num_servers
+        plan = []
+        for i in range(num_servers):
+            chunk = cores[i * share : (i + 1) * share]
+            plan.append(f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else str(chunk[0]))
+        return plan
+    return [str(cores[i % len(cores)]) for i in range(num_servers)]
+
+
+def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
+    roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
+    cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
+    binding = core_plan(len(roles), cores)
+    return [
+        ServerSpec(
+            model=spec.model,
+            port=spec.base_port + i,
+            role=role,
+            served_name=spec.served_name,
+            max_model_len=spec.max_model_len,
+            max_num_seqs=spec.max_num_seqs,
+            kv_cache_gib=spec.kv_cache_gib,
+            cpu_cores=binding[i],
+            nixl_side_channel_port=spec.nixl_base_port + i,
+            extra_args=spec.extra_args,
+        )
+        for i, role in enumerate(roles)
+    ]
+
+
+class Cluster:
+    """The started workers. Use as a context manager: leaving it stops every process."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.servers: list[VllmServer] = []
+
+    def start(self, on_ready: Callable[[VllmServer], None] | None = None,
+              timeout_s: float = 600.0) -> None:
+        for server_spec in worker_specs(self.spec):
+            self.servers.append(VllmServer(server_spec, self.spec.log_dir))
+        pending = list(self.servers)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise EldrError(
+                    f"workers on ports {[s.spec.port for s in pending]} not ready after"
+                    f" {timeout_s:.0f} s; logs in {self.spec.log_dir}"
+                )
+            for server in list(pending):
+                if server.poll_ready():
+                    pending.remove(server)
+                    if on_ready is not None:
+                        on_ready(server)
+            time.sleep(0.5)
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [s.url for s in self.servers if s.spec.role == "prefill"]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [s.url for s in self.servers if s.spec.role == "decode"]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

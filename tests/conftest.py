@@ -1,0 +1,60 @@
+"""Shared fixtures. Real vLLM servers start once per module that needs them and are shared."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stages.paths import BUNDLED_MODELS_DIR
+
+TINY = BUNDLED_MODELS_DIR / "tiny"
+
+# Tests never reach a model hub, and vLLM servers started by tests log to the test's tmp dir.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    if not (TINY / "config.json").exists():
+        pytest.fail(f"bundled model missing at {TINY}")
+    return TINY
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One vLLM server on the tiny model with eldr's connector (signatures, no PD)."""
+    from stages.engine import ServerSpec, VllmServer
+
+    spec = ServerSpec(
+        model=str(tiny_model), port=free_port(), role="plain", served_name="tiny",
+        extra_args=("--enable-prompt-tokens-details",),
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+    server = VllmServer(spec, tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        server.wait_ready(timeout_s=240)
+        yield server.url
+    finally:
+        server.stop()

@@ -1,0 +1,138 @@
+"""Signature capture against real vLLM on the bundled tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from stages.signature import wire
+from stages.signature.dataset import SignatureDataset
+from tests.conftest import requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.vllm]
+
+PROMPTS = [
+    {"id": "code-1", "domain": "code",
+     "prompt": "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+               "        a, b = b, a + b\n    return a\n\n"
+               "class Stack:\n    def __init__(self):\n        self.items = []\n"},
+    {"id": "math-1", "domain": "math",
+     "prompt": "Solve: A farmer has 17 sheep and buys 5 more each week. How many sheep does he"
+               " have after 6 weeks? Explain each step."},
+    {"id": "fr-1", "domain": "prose-fr",
+     "prompt": "Continuez ce texte : Le matin, la ville se réveille lentement. Les boulangers"
+               " ouvrent leurs portes et les enfants partent pour l'école."},
+    {"id": "rec-1", "domain": "records",
+     "prompt": 'Continue the records: {"id": 1, "name": "Alice", "age": 31, "city": "Lyon"}\n'
+               '{"id": 2, "name": "Bob", "age": 45, "city": "Oslo"}\n'},
+]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, Path]:
+    """`eldr capture` through the real CLI, one prompt per batch, with per-token tracing."""
+    work = tmp_path_factory.mktemp("capture")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    out = work / "sig.zarr"
+    trace = work / "trace"
+    env = {**os.environ, "ELDR_TRACE_DIR": str(trace)}
+    cmd = [sys.executable, "-m", "eldr_cli", "capture", "--model", "tiny", "--prompts",
+           str(prompts), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--batch-size", "1"]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, trace
+
+
+def test_capture_stores_every_prompt_with_exact_row_sums(captured: tuple[Path, Path]) -> None:
+    dataset = SignatureDataset.open(captured[0])
+    arrays = dataset.read()
+    top_k = dataset.identity.top_k
+    assert sorted(arrays.ids.tolist()) == sorted(p["id"] for p in PROMPTS)
+    assert (arrays.output_tokens == MAX_TOKENS).all()
+    # Every prompt token picks top_k experts in every layer; decode counts cover the generated
+    # tokens fed back into the model (all but the last).
+    np.testing.assert_array_equal(
+        arrays.prefill_counts.sum(axis=2), np.outer(arrays.prompt_tokens, np.ones(4)) * top_k
+    )
+    np.testing.assert_array_equal(
+        arrays.decode_counts.sum(axis=2), np.full((len(PROMPTS), 4), (MAX_TOKENS - 1) * top_k)
+    )
+
+
+def test_capture_rerun_skips_stored_prompts(captured: tuple[Path, Path]) -> None:
+    before = SignatureDataset.open(captured[0]).content_hash()
+    prompts = captured[0].parent / "prompts.jsonl"
+    cmd = [sys.executable, "-m", "eldr_cli", "capture", "--model", "tiny", "--prompts",
+           str(prompts), "--out", str(captured[0]), "--max-tokens", str(MAX_TOKENS)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "0 new signatures (4 already there)" in result.stdout
+    assert SignatureDataset.open(captured[0]).content_hash() == before
+
+
+def test_recorded_expert_ids_match_transformers_router(
+    captured: tuple[Path, Path], tiny_model: Path
+) -> None:
+    """Per-token top-k from the plugin vs Hugging Face's router on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = sorted(captured[1].glob("step-*.npy"))
+    traced = np.concatenate([np.load(s) for s in steps], axis=1)  # [L, tokens, k]
+    arrays = SignatureDataset.open(captured[0]).read()
+    order = {p["id"]: p for p in PROMPTS}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    offset = 0
+    agree = np.zeros(4)
+    total = 0
+    for req_id, n_prompt, n_out in zip(arrays.ids, arrays.prompt_tokens, arrays.output_tokens,
+                                       strict=True):
+        ids = tokenizer(order[str(req_id)]["prompt"])["input_ids"]
+        assert len(ids) == n_prompt
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_router_logits=True)
+        hf = np.stack([
+            torch.topk(logits, 2, dim=-1).indices.numpy() for logits in out.router_logits
+        ])  # [L, tokens, k]
+        ours = traced[:, offset : offset + n_prompt]
+        agree += (np.sort(ours, -1) == np.sort(hf, -1)).all(-1).sum(-1)
+        total += n_prompt
+        offset += n_prompt + n_out - 1
+    assert offset == traced.shape[1]
+    rate = agree / total
+    assert (rate >= 0.98).all(), f"per-layer agreement {rate}"
+
+
+def test_prefix_cache_hit_signature_equals_cold_run(plain_server: str) -> None:
+    base = "def parse(line):\n    key, _, value = line.partition('=')\n    return key, value\n" * 6
+    longer = base + "\ndef main():\n    print(parse('a=1'))\n"
+
+    def signature(prompt: str) -> tuple[np.ndarray, int]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        response = httpx.post(f"{plain_server}/v1/completions", json=body, timeout=60)
+        response.raise_for_status()
+        payload = response.json()
+        counts = wire.decode(payload["kv_transfer_params"])
+        assert counts is not None
+        cached = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
+        return counts, int(cached.get("cached_tokens") or 0)
+
+    httpx.post(f"{plain_server}/reset_prefix_cache", timeout=30).raise_for_status()
+    cold_long, _ = signature(longer)
+    httpx.post(f"{plain_server}/reset_prefix_cache", timeout=30).raise_for_status()
+    cold_base, _ = signature(base)
+    warm_long, hit_long = signature(longer)  # reuses the blocks `base` filled
+    warm_base, hit_base = signature(base)  # a full prefix hit
+    assert hit_long > 0 and hit_base > 0
+    np.testing.assert_array_equal(warm_long, cold_long)
+    np.testing.assert_array_equal(warm_base, cold_base)
