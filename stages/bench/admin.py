@@ -1,0 +1,60 @@
+"""The proxy's admin API as the load generator uses it: read state, switch the policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from stages.errors import EldrError
+
+
+class ProxyAdmin:
+    def __init__(self, client: httpx.AsyncClient, base_url: str, timeout_s: float = 10.0) -> None:
+        self._client = client
+        self._base = base_url.rstrip("/")
+        self._timeout = timeout_s
+
+    async def state(self) -> dict[str, Any]:
+        url = f"{self._base}/admin/state"
+        try:
+            response = await self._client.get(url, timeout=self._timeout)
+            response.raise_for_status()
+            state = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise EldrError(f"cannot read the proxy's state at {url}: {exc}") from exc
+        if not isinstance(state, dict):
+            raise EldrError(f"{url} returned {type(state).__name__}, expected a JSON object")
+        return state
+
+    async def set_policy(self, name: str) -> dict[str, Any]:
+        """Switch the decode policy and confirm it took effect; returns the new state."""
+        url = f"{self._base}/admin/policy"
+        try:
+            response = await self._client.post(url, json={"policy": name}, timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            raise EldrError(f"cannot switch the proxy's policy at {url}: {exc}") from exc
+        if response.status_code >= 400:
+            raise EldrError(
+                f"the proxy refused policy {name!r} (HTTP {response.status_code}):"
+                f" {response.text[:300]}"
+            )
+        state = await self.state()
+        if state.get("policy") != name:
+            raise EldrError(
+                f"asked the proxy for policy {name!r} but it reports {state.get('policy')!r}"
+            )
+        return state
+
+
+def decode_worker_urls(state: dict[str, Any]) -> tuple[str, ...]:
+    """Decode worker URLs listed in ``/admin/state`` (``decode_workers: [{"url": ...}]``)."""
+    workers = state.get("decode_workers")
+    if not isinstance(workers, list):
+        return ()
+    urls = []
+    for worker in workers:
+        if not isinstance(worker, dict) or not isinstance(worker.get("url"), str):
+            raise EldrError(f"/admin/state lists a decode worker without a url: {worker!r}")
+        urls.append(worker["url"])
+    return tuple(urls)

@@ -1,0 +1,252 @@
+"""Measure decode step time against distinct experts on running decode workers, and fit the
+simulator's cost model to it.
+
+For each worker, batch size B and domain mix m, B streaming requests are sent at once, their
+prompts drawn from m domains (m = 1: same-domain batch, few distinct experts; all domains:
+mixed batch, many). The worker's eldr counters before/after give the steps, distinct experts
+and step seconds of exactly that batch; its mean decode batch is the decode tokens it produced
+per step (robust to the ramp-up and drain steps). A plain vLLM server with eldr's plugin works:
+a normal completion runs prefill and decode there. Prefill cost comes from single requests of
+several prompt lengths (``max_tokens=1``, time to first token), measured first so no prompt is
+in the prefix cache yet.
+
+Caveat the counters decide: if the plugin counts steps that also run a prefill chunk, the
+first step of each batch carries prefill time; long ``max_tokens`` dilutes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from stages.bench.client import CompletionSettings, stream_completion
+from stages.bench.cost_model import (
+    CostModel,
+    CostSample,
+    fit_cost_model,
+    fit_prefill,
+    fit_quality,
+)
+from stages.bench.metrics import RequestRecord
+from stages.bench.prompts import Prompt, load_prompts
+from stages.bench.worker_metrics import (
+    DecodeCounters,
+    counter_delta,
+    scrape_decode_counters,
+)
+from stages.errors import EldrError
+
+
+@dataclass(frozen=True)
+class EngineCostConfig:
+    worker_urls: tuple[str, ...]
+    prompts_path: Path
+    num_layers: int
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    domain_mixes: tuple[int, ...] = (1, 2, 0)  # domains per batch; 0 = every domain
+    max_tokens: int = 64
+    repeats: int = 2
+    prefill_probes: int = 8  # 0: keep the default prefill cost
+    model: str | None = None
+    settle_s: float = 1.0
+    timeout_s: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.worker_urls:
+            raise EldrError("give at least one decode worker URL to measure")
+        if self.num_layers < 1:
+            raise EldrError(f"num_layers must be >= 1, got {self.num_layers}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise EldrError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if self.max_tokens < 2:
+            raise EldrError("max_tokens must be >= 2 to observe decode steps")
+        if self.repeats < 1 or any(m < 0 for m in self.domain_mixes) or not self.domain_mixes:
+            raise EldrError("repeats must be >= 1 and domain mixes >= 0 (0 = all domains)")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    worker_url: str
+    batch_size: int  # requests sent together
+    domains: int  # distinct domains among them
+    sample: CostSample
+    step_time_source: str  # "counter" (eldr_decode_step_seconds) or "tpot" (client side)
+
+
+@dataclass(frozen=True)
+class EngineCostResult:
+    measurements: tuple[Measurement, ...]
+    model: CostModel
+    quality: dict[str, float]
+    prefill_points: tuple[tuple[int, float], ...] = field(default=())  # (tokens, seconds)
+
+    @property
+    def samples(self) -> tuple[CostSample, ...]:
+        return tuple(m.sample for m in self.measurements)
+
+
+def batch_prompts(
+    by_domain: dict[str, list[Prompt]], size: int, domains: int, rng: np.random.Generator
+) -> list[Prompt]:
+    """``size`` prompts spread round-robin over ``domains`` randomly chosen domains."""
+    names = sorted(by_domain)
+    k = len(names) if domains == 0 else min(domains, len(names))
+    chosen = [names[i] for i in rng.choice(len(names), size=k, replace=False)]
+    pools = {d: list(rng.permutation(len(by_domain[d]))) for d in chosen}
+    out = []
+    for i in range(size):
+        d = chosen[i % k]
+        if not pools[d]:
+            pools[d] = list(rng.permutation(len(by_domain[d])))
+        out.append(by_domain[d][int(pools[d].pop())])
+    return out
+
+
+class _Measurer:
+    def __init__(self, config: EngineCostConfig, client: httpx.AsyncClient) -> None:
+        self.config = config
+        self.client = client
+        self.settings = CompletionSettings(
+            max_tokens=config.max_tokens, model=config.model, timeout_s=config.timeout_s
+        )
+        self.counter = 0
+
+    async def _send(
+        self, url: str, prompts: Sequence[Prompt], settings: CompletionSettings
+    ) -> list[RequestRecord]:
+        origin = time.perf_counter()
+        self.counter += 1
+        calls = [
+            stream_completion(
+                self.client,
+                url,
+                p.prompt,
+                settings,
+                f"eldr-cost-{self.counter}-{i}",
+                origin,
+                prompt_id=p.id,
+                domain=p.domain,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        records = await asyncio.gather(*calls)
+        failed = [r for r in records if not r.success]
+        if failed:
+            raise EldrError(f"{len(failed)} request(s) to {url} failed: {failed[0].error}")
+        return list(records)
+
+    async def _counters(self, url: str) -> DecodeCounters:
+        counters = (await scrape_decode_counters(self.client, [url]))[url]
+        if counters is None:
+            raise EldrError(
+                f"{url}/metrics has no eldr_decode_steps/eldr_decode_active_experts counters;"
+                " start the worker with eldr's vLLM plugin"
+            )
+        return counters
+
+    async def batch(self, url: str, prompts: Sequence[Prompt], domains: int) -> Measurement:
+        before = await self._counters(url)
+        records = await self._send(url, prompts, self.settings)
+        await asyncio.sleep(self.config.settle_s)
+        delta = counter_delta(before, await self._counters(url))
+        if delta.steps <= 0:
+            raise EldrError(f"{url} counted no decode steps for a batch of {len(prompts)}")
+        decode_tokens = sum(max(r.output_tokens - 1, 0) for r in records)
+        if math.isfinite(delta.step_seconds):
+            step_s, source = delta.step_seconds / delta.steps, "counter"
+        else:
+            tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in records]
+            step_s, source = float(np.median(tpot)), "tpot"
+        sample = CostSample(
+            batch=decode_tokens / delta.steps,
+            distinct=delta.active_experts / delta.steps / self.config.num_layers,
+            step_s=step_s,
+            steps=delta.steps,
+        )
+        return Measurement(url, len(prompts), domains, sample, source)
+
+    async def prefill(self, url: str, prompts: Sequence[Prompt]) -> list[tuple[int, float]]:
+        settings = replace(self.settings, max_tokens=1)
+        points = []
+        for p in prompts:  # one at a time: TTFT without queueing
+            (record,) = await self._send(url, [p], settings)
+            points.append((record.prompt_tokens, record.ttft_s))
+        return points
+
+
+def _prefill_prompts(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """``n`` prompts spanning the length range (quantiles of character length)."""
+    by_len = sorted(prompts, key=lambda p: len(p.prompt))
+    idx = np.unique(np.linspace(0, len(by_len) - 1, n).round().astype(int))
+    return [by_len[i] for i in idx]
+
+
+async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResult:
+    prompts = load_prompts(config.prompts_path)
+    by_domain: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_domain.setdefault(p.domain, []).append(p)
+    rng = np.random.default_rng(config.seed)
+    measurements: list[Measurement] = []
+    prefill_points: list[tuple[int, float]] = []
+    async with httpx.AsyncClient(timeout=config.timeout_s) as client:
+        measurer = _Measurer(config, client)
+        for url in config.worker_urls:
+            if config.prefill_probes > 0:
+                probe = _prefill_prompts(prompts, config.prefill_probes)
+                prefill_points += await measurer.prefill(url, probe)
+            for _ in range(config.repeats):
+                for size in config.batch_sizes:
+                    for mix in config.domain_mixes:
+                        batch = batch_prompts(by_domain, size, mix, rng)
+                        domains = len({p.domain for p in batch})
+                        measurements.append(await measurer.batch(url, batch, domains))
+    prefill_kwargs: dict[str, float] = {}
+    if len({t for t, _ in prefill_points}) >= 2:
+        tokens, seconds = zip(*prefill_points, strict=True)
+        base, per_token = fit_prefill(tokens, seconds)
+        prefill_kwargs = {"prefill_base_s": base, "prefill_per_token_s": per_token}
+    samples = [m.sample for m in measurements]
+    model = fit_cost_model(samples, config.num_layers, **prefill_kwargs)
+    return EngineCostResult(
+        tuple(measurements), model, fit_quality(model, samples), tuple(prefill_points)
+    )
+
+
+def measure_engine_cost(config: EngineCostConfig) -> EngineCostResult:
+    """Measure every worker in turn and fit one cost model to all samples."""
+    return asyncio.run(measure_engine_cost_async(config))
+
+
+def format_engine_cost(result: EngineCostResult) -> str:
+    lines = [
+        f"{'worker':<28} {'sent':>4} {'dom':>3} {'batch':>6} {'experts/L':>9}"
+        f" {'step ms':>8} {'model ms':>8} {'steps':>6}"
+    ]
+    for m in result.measurements:
+        s = m.sample
+        predicted = float(result.model.step_time(s.batch, s.distinct)) * 1000
+        lines.append(
+            f"{m.worker_url:<28} {m.batch_size:>4} {m.domains:>3} {s.batch:>6.2f}"
+            f" {s.distinct:>9.2f} {s.step_s * 1000:>8.2f} {predicted:>8.2f} {s.steps:>6.0f}"
+            + ("" if m.step_time_source == "counter" else "  (client TPOT)")
+        )
+    c = result.model
+    lines.append(
+        f"fit: step = {c.base_s * 1e3:.3f} ms + {c.per_token_s * 1e3:.4f} ms x batch"
+        f" + {c.num_layers} x {c.per_expert_s * 1e3:.4f} ms x experts/L"
+        f"   (R^2 {result.quality['r2']:.3f}, RMSE {result.quality['rmse_ms']:.3f} ms)"
+    )
+    lines.append(
+        f"prefill: {c.prefill_base_s * 1e3:.2f} ms + {c.prefill_per_token_s * 1e3:.4f} ms x tokens"
+        + ("" if result.prefill_points else " (default, not measured)")
+    )
+    return "\n".join(lines)

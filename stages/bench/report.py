@@ -1,0 +1,100 @@
+"""The comparison table: one row per policy, TPOT ratios against the best baseline.
+
+"Best baseline" follows the paper: for each statistic separately, the best of the four load
+balancers (rr, jsq, random, p2c) that took part; a ratio below 1 means the policy beat all of
+them on that statistic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+BASELINES = ("rr", "jsq", "random", "p2c")
+RATIO_KEYS = (("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"))
+COLUMNS = (
+    ("median_ttft_ms", "TTFT p50"),
+    ("p99_ttft_ms", "TTFT p99"),
+    ("median_tpot_ms", "TPOT p50"),
+    ("p99_tpot_ms", "TPOT p99"),
+    ("median_itl_ms", "ITL p50"),
+    ("p99_itl_ms", "ITL p99"),
+    ("median_e2el_ms", "E2EL p50"),
+    ("p99_e2el_ms", "E2EL p99"),
+    ("request_throughput", "req/s"),
+    ("output_throughput", "tok/s"),
+    ("failed", "fail"),
+    ("distinct_experts_per_layer", "experts/L"),
+)
+
+Metrics = Mapping[str, Mapping[str, float]]
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    if abs(value) >= 1000:
+        return f"{value:.0f}"
+    if abs(value) >= 100:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def best_baseline(
+    metrics: Metrics, key: str, baselines: Sequence[str] = BASELINES
+) -> tuple[str, float] | None:
+    """(policy, value) of the lowest finite ``key`` among the baselines present."""
+    found = [
+        (name, float(m[key]))
+        for name, m in metrics.items()
+        if name in baselines and key in m and math.isfinite(float(m[key]))
+    ]
+    return min(found, key=lambda item: item[1]) if found else None
+
+
+def ratios_to_best(
+    metrics: Metrics, baselines: Sequence[str] = BASELINES
+) -> dict[str, dict[str, float]]:
+    """policy -> {key: value / best baseline value} for the TPOT keys (NaN without one)."""
+    out: dict[str, dict[str, float]] = {name: {} for name in metrics}
+    for key, _ in RATIO_KEYS:
+        best = best_baseline(metrics, key, baselines)
+        for name, m in metrics.items():
+            value = float(m.get(key, float("nan")))
+            ok = best is not None and best[1] > 0 and math.isfinite(value)
+            out[name][key] = value / best[1] if ok else float("nan")
+    return out
+
+
+def format_comparison(
+    metrics: Metrics, title: str = "", baselines: Sequence[str] = BASELINES
+) -> str:
+    """A fixed-width table (milliseconds for latencies) plus the best-baseline footnote."""
+    ratios = ratios_to_best(metrics, baselines)
+    header = ["policy", *(label for _, label in COLUMNS)]
+    header += [f"{label} /best" for _, label in RATIO_KEYS]
+    rows = [header]
+    for name, m in metrics.items():
+        row = [name, *(_fmt(m.get(key)) for key, _ in COLUMNS)]
+        row += [_fmt(ratios[name][key]) for key, _ in RATIO_KEYS]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [title] if title else []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    notes = []
+    for key, label in RATIO_KEYS:
+        best = best_baseline(metrics, key, baselines)
+        if best is not None:
+            notes.append(f"{label} {best[0]} {_fmt(best[1])} ms")
+    lines.append(
+        "best baseline: " + ", ".join(notes) if notes else "no baseline policy in this run"
+    )
+    lines.append("latencies in ms; experts/L = distinct experts per MoE layer per decode step")
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""`eldr serve` against real vLLM: 1 prefill + 2 decode workers (NixlConnector) on tiny.
+
+One module-scoped cluster serves every test; the fault-injection test runs last because it
+kills a decode worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from stages.signature import wire
+from stages.signature.dataset import SignatureDataset
+from tests.conftest import free_port, requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.vllm]
+
+PROMPTS = [
+    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n",
+    "Solve: Maria buys 3 boxes of 12 pencils and gives away 7. How many pencils are left?",
+    "Continuez ce texte : La rivière traverse le village avant de rejoindre la mer.",
+]
+POLICIES = ["eldr", "rr", "jsq", "random", "p2c"]
+MAX_TOKENS = 12
+
+
+@dataclass
+class Deployment:
+    cluster: object
+    proxy_url: str
+    reference: dict[str, str]  # prompt -> greedy output of a single plain vLLM server
+    dataset: Path
+
+
+def _eldr(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> str:
+    result = subprocess.run([sys.executable, "-m", "eldr_cli", *args], capture_output=True,
+                            text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def _complete(url: str, prompt: str, stream: bool = False, timeout: float = 120) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": stream}
+    if not stream:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+        response.raise_for_status()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        event = json.loads(line[len("data: "):])
+        assert "error" not in event, event
+        text.extend(choice.get("text", "") for choice in event["choices"])
+    return "".join(text)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
+    Deployment
+]:
+    from stages.engine import ServerSpec, VllmServer
+    from stages.serve.launcher import Cluster, ClusterSpec
+
+    work = tmp_path_factory.mktemp("serve")
+    env = {**os.environ, "ELDR_HOME": str(work)}
+    # A real artifact: capture a few calibration prompts, fit one centroid per decode worker.
+    _eldr("capture", "--limit", "24", "--max-tokens", "4", "--batch-size", "24", env=env)
+    _eldr("fit", "--k", "2", "--balanced", "--no-plot", env=env)
+
+    plain = VllmServer(ServerSpec(model=str(tiny_model), port=free_port(), served_name="tiny",
+                                  eldr_plugin=False), work / "logs")
+    base = free_port()
+    cluster = Cluster(ClusterSpec(model=str(tiny_model), served_name="tiny", prefill=1, decode=2,
+                                  base_port=base, nixl_base_port=free_port(),
+                                  log_dir=work / "logs"))
+    try:
+        cluster.start(timeout_s=400)
+        plain.wait_ready(timeout_s=300)
+        reference = {p: _complete(plain.url, p) for p in PROMPTS}
+        plain.stop()
+        proxy_port = free_port()
+        from stages.serve.config import ProxyConfig
+        from stages.serve.proxy import create_app
+
+        config = ProxyConfig(
+            prefill_urls=tuple(cluster.prefill_urls), decode_urls=tuple(cluster.decode_urls),
+            policy="eldr", artifact_store=work / "artifacts", model="tiny",
+            health_interval_s=0.5,
+        )
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1",
+                                               port=proxy_port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{proxy_port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield Deployment(cluster, url, reference, work / "signatures.zarr")
+        server.should_exit = True
+        thread.join(timeout=10)
+    finally:
+        plain.stop()
+        cluster.stop()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_outputs_through_proxy_equal_single_server(
+    deployment: Deployment, policy: str, stream: bool
+) -> None:
+    httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": policy},
+               timeout=10).raise_for_status()
+    for prompt in PROMPTS:
+        assert _complete(deployment.proxy_url, prompt, stream=stream) == deployment.reference[
+            prompt
+        ]
+
+
+def test_decode_workers_load_kv_from_prefill(deployment: Deployment) -> None:
+    for prompt in PROMPTS:
+        _complete(deployment.proxy_url, prompt)
+    external = 0.0
+    computed = 0.0
+    for url in deployment.cluster.decode_urls:  # type: ignore[attr-defined]
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total"):
+                value = float(line.rsplit(" ", 1)[1])
+                if 'source="external_kv_transfer"' in line:
+                    external += value
+                elif 'source="local_compute"' in line:
+                    computed += value
+    assert external > 0
+    # vLLM recomputes at most the last prompt token of each request on the decode side.
+    assert computed <= external * 0.2
+
+
+def test_prefill_signature_equals_captured_signature(deployment: Deployment) -> None:
+    arrays = SignatureDataset.open(deployment.dataset).read()
+    from stages.bench.prompts import load_prompts
+    from stages.paths import CALIBRATION_PROMPTS
+
+    prompt = load_prompts(CALIBRATION_PROMPTS)[0]
+    row = int(np.flatnonzero(arrays.ids == prompt.id)[0])
+    prefill = deployment.cluster.prefill_urls[0]  # type: ignore[attr-defined]
+    body = {"model": "tiny", "prompt": prompt.prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}}
+    response = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60)
+    response.raise_for_status()
+    signature = wire.decode(response.json()["kv_transfer_params"])
+    assert signature is not None
+    np.testing.assert_array_equal(signature, arrays.prefill_counts[row])
+
+
+def test_proxy_reports_decode_expert_metrics(deployment: Deployment) -> None:
+    state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
+    assert state["policy"] in POLICIES
+    steps = 0.0
+    for url in deployment.cluster.decode_urls:  # type: ignore[attr-defined]
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("eldr_decode_steps_total"):
+                steps += float(line.rsplit(" ", 1)[1])
+    assert steps > 0
+
+
+def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployment) -> None:
+    """Non-streamed requests have sent nothing yet, so all must succeed via retries."""
+    httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "rr"},
+               timeout=10).raise_for_status()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+    victim = deployment.cluster.servers[-1]  # type: ignore[attr-defined]
+
+    def kill_soon() -> None:
+        time.sleep(1.5)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_soon)
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        killer.start()
+        results = list(pool.map(lambda p: _complete(deployment.proxy_url, p, timeout=180),
+                                prompts))
+    killer.join()
+    assert results == [deployment.reference[p] for p in prompts]
+    state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
+    assert all(w["in_flight"] == 0 for w in state["decode_workers"])
