@@ -1,10 +1,182 @@
-"""`eldr bench` (wired to stages.bench below)."""
+"""`eldr bench`: live policy comparison, engine cost measurement, or cluster simulation."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+from typing import Annotated
 
-def bench() -> None:
-    """Compare routing policies on the live proxy, or simulate a cluster."""
-    from stages.errors import EldrError
+import typer
 
-    raise EldrError("eldr bench is being wired up")
+from eldr_cli.options import SeedOption
+from stages import paths
+from stages.errors import EldrError
+
+ALL_POLICIES = "eldr,rr,jsq,random,p2c"
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",")]
+    except ValueError as exc:
+        raise EldrError(f"--request-rate takes numbers or 'inf', comma separated: {text}") from exc
+    if any(r <= 0 for r in rates):
+        raise EldrError("--request-rate must be > 0")
+    return rates
+
+
+def bench(
+    url: Annotated[str, typer.Option(help="The eldr proxy.")] = paths.DEFAULT_PROXY_URL,
+    policies: Annotated[str, typer.Option(help="Policies to compare, comma separated.")]
+    = ALL_POLICIES,
+    prompts: Annotated[Path | None, typer.Option(
+        help="JSONL prompts. Default: the bundled evaluation split.", show_default=False)] = None,
+    num_prompts: Annotated[int, typer.Option(help="Requests per policy (per rate).", min=1)]
+    = 120,
+    request_rate: Annotated[str, typer.Option(
+        help="Poisson arrival rate(s) in req/s, comma separated; 'inf' sends all at once.")]
+    = "2",
+    max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")]
+    = None,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request (ignore_eos).")]
+    = 64,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds: each runs every policy on a"
+                                        " slice of the prompts, in rotating order.", min=1)] = 3,
+    result_dir: Annotated[Path | None, typer.Option(
+        help="Where JSON results and PNG plots go. Default: $ELDR_HOME/results.",
+        show_default=False)] = None,
+    seed: SeedOption = 0,
+    simulate: Annotated[bool, typer.Option(
+        "--simulate", help="Simulate a PD cluster on captured signatures instead.")] = False,
+    data: Annotated[Path | None, typer.Option(
+        help="--simulate: signature dataset. Default: $ELDR_HOME/signatures.zarr.",
+        show_default=False)] = None,
+    store: Annotated[Path | None, typer.Option(
+        help="--simulate: artifact store (its 'latest' must have --decode centroids).",
+        show_default=False)] = None,
+    prefill: Annotated[int, typer.Option(help="--simulate: prefill workers.", min=1)] = 8,
+    decode: Annotated[int, typer.Option(help="--simulate: decode workers.", min=1)] = 16,
+    duration: Annotated[float, typer.Option(help="--simulate: simulated seconds.")] = 120.0,
+    cost: Annotated[str, typer.Option(
+        help="--simulate: cost model: 'gpu' (GPU-like preset), 'cpu', or a JSON file from"
+        " --engine-cost.")] = "gpu",
+    engine_cost: Annotated[bool, typer.Option(
+        "--engine-cost", help="Measure decode step time vs distinct experts on the running"
+        " decode workers and fit the simulator's cost model.")] = False,
+) -> None:
+    """Compare routing policies on the live proxy with the same prompts and arrival times
+    (policies interleaved through the proxy's admin API), as `vllm bench serve` reports them."""
+    result_dir = result_dir or paths.default_result_dir()
+    prompts_path = prompts or paths.EVALUATION_PROMPTS
+    names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    if simulate:
+        _simulate(data, store, names, _rates(request_rate), prefill, decode, duration, cost,
+                  max_tokens, result_dir, seed)
+    elif engine_cost:
+        _engine_cost(url, prompts_path, result_dir, seed)
+    else:
+        _live(url, names, prompts_path, num_prompts, _rates(request_rate), max_concurrency,
+              max_tokens, rounds, result_dir, seed)
+
+
+def _num_layers() -> int | None:
+    from stages.fit.artifact import ArtifactStore
+
+    store = paths.default_artifact_store()
+    if not store.exists():
+        return None
+    try:
+        return ArtifactStore(store).load("latest").identity.num_layers
+    except EldrError:
+        return None
+
+
+def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
+          rates: list[float], max_concurrency: int | None, max_tokens: int, rounds: int,
+          result_dir: Path, seed: int) -> None:
+    from stages.bench.loadgen import BenchConfig, run_rate_sweep
+    from stages.bench.plots import write_plots
+    from stages.bench.report import format_comparison
+
+    config = BenchConfig(
+        url=url.rstrip("/"), policies=policies, prompts_path=prompts, num_prompts=num_prompts,
+        request_rate=rates[0], max_concurrency=max_concurrency, seed=seed,
+        result_dir=result_dir, max_tokens=max_tokens, rounds=rounds, num_layers=_num_layers(),
+    )
+    sweep = run_rate_sweep(config, rates)
+    for comparison in sweep:
+        typer.echo(format_comparison(comparison.metrics(),
+                                     f"{url}: {comparison.rate:g} req/s, {num_prompts} requests"
+                                     f" per policy, {max_tokens} output tokens"))
+    for path in write_plots(sweep, result_dir):
+        typer.echo(f"plot: {path}")
+    typer.echo(f"results: {result_dir}")
+
+
+def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
+    import asyncio
+
+    import httpx
+
+    from stages.bench.admin import ProxyAdmin, decode_worker_urls
+    from stages.bench.engine_cost import EngineCostConfig, format_engine_cost, measure_engine_cost
+
+    async def read_state() -> dict[str, object]:
+        async with httpx.AsyncClient() as client:
+            return await ProxyAdmin(client, url).state()
+
+    workers = decode_worker_urls(asyncio.run(read_state()))
+    layers = _num_layers()
+    if layers is None:
+        raise EldrError("no artifact to read the model's MoE layer count from; run `eldr fit`")
+    result = measure_engine_cost(EngineCostConfig(worker_urls=workers, prompts_path=prompts,
+                                                  num_layers=layers, seed=seed))
+    typer.echo(format_engine_cost(result))
+    result_dir.mkdir(parents=True, exist_ok=True)
+    path = result_dir / "cost-model.json"
+    result.model.save(path)
+    typer.echo(f"cost model: {path} (use with `eldr bench --simulate --cost {path}`)")
+
+
+def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
+              rates: list[float], prefill: int, decode: int, duration: float, cost: str,
+              max_tokens: int, result_dir: Path, seed: int) -> None:
+    from stages.bench.cost_model import CostModel, cpu_like, gpu_like
+    from stages.bench.plots import write_plots
+    from stages.bench.report import format_comparison
+    from stages.bench.results import ComparisonResult, save_comparison
+    from stages.bench.simulator import SimConfig, simulate
+    from stages.fit.artifact import ArtifactStore, check_identity
+    from stages.signature.dataset import SignatureDataset
+
+    dataset = SignatureDataset.open(data or paths.default_dataset())
+    arrays = dataset.read()
+    identity = dataset.identity
+    artifact = None
+    if "eldr" in policies:
+        artifact = ArtifactStore(store or paths.default_artifact_store()).load("latest")
+        check_identity(artifact, identity)
+        if artifact.centroids.shape[0] != decode:
+            raise EldrError(f"the latest artifact has {artifact.centroids.shape[0]} centroids;"
+                            f" simulate with --decode {artifact.centroids.shape[0]} or fit"
+                            f" `eldr fit --k {decode}`")
+    if cost == "gpu":
+        model = gpu_like(identity.num_layers, identity.num_experts)
+    elif cost == "cpu":
+        model = cpu_like(identity.num_layers)
+    else:
+        model = CostModel.load(Path(cost))
+    sweep = []
+    for rate in rates:
+        config = SimConfig(cost=model, num_prefill=prefill, num_decode=decode,
+                           request_rate=rate, duration_s=duration, policies=policies,
+                           max_output_tokens=max_tokens, seed=seed)
+        comparison = ComparisonResult(rate, simulate(config, arrays, artifact,
+                                                     top_k=identity.top_k))
+        sweep.append(comparison)
+        save_comparison(comparison, result_dir)
+        typer.echo(format_comparison(
+            comparison.metrics(), f"simulated {prefill}P{decode}D, {rate:g} req/s,"
+            f" {duration:g} s, {model.name} cost, {identity.describe()}"))
+    for path in write_plots(sweep, result_dir, prefix="sim-"):
+        typer.echo(f"plot: {path}")

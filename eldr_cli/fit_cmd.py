@@ -31,7 +31,6 @@ def fit(
     and save them as an immutable, content-addressed artifact version."""
     from stages.fit.artifact import ArtifactStore
     from stages.fit.pipeline import FitConfig, fit_artifact, plot_fit
-
     from stages.signature.dataset import SignatureDataset
 
     dataset = SignatureDataset.open(data or paths.default_dataset())

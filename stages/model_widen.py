@@ -10,6 +10,7 @@ first use instead of being committed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -32,8 +33,12 @@ def ensure_wide_model(
     target = derived_models_dir() / "tiny-wide"
     stamp = target / "eldr-derived.json"
     source_index = (source / "model.safetensors.index.json").read_bytes()
+    # The recipe names the exact source weights, so a retrained tiny is never served stale.
+    digest = hashlib.sha256(source_index)
+    for shard in sorted(set(json.loads(source_index)["weight_map"].values())):
+        digest.update((source / shard).read_bytes())
     recipe = {"source": str(source), "intermediate": intermediate,
-              "source_index_bytes": len(source_index)}
+              "source_sha256": digest.hexdigest()}
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return target
     staging = target.with_name("tiny-wide.partial")

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The main job on the embedded default, end to end on CPU vLLM:
+#   capture (calibration split) -> fit (one centroid per decode worker) ->
+#   serve tiny-wide with 1 prefill + 2 decode workers -> bench every policy (evaluation split).
+# Knobs: DEMO_CAPTURE (prompts to capture, default all 1,000), DEMO_PROMPTS (requests per
+# policy), DEMO_RATE (req/s), DEMO_TOKENS (output tokens). Results land in $ELDR_HOME/results.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export ELDR_HOME=${ELDR_HOME:-$PWD/.eldr/demo}
+ELDR=.venv/bin/eldr
+CAPTURE_LIMIT=()
+[ -n "${DEMO_CAPTURE:-}" ] && CAPTURE_LIMIT=(--limit "$DEMO_CAPTURE")
+
+# tiny and tiny-wide route identically (zero-widened experts), so signatures are captured on
+# the faster tiny and the artifact serves tiny-wide.
+$ELDR capture --model tiny "${CAPTURE_LIMIT[@]}"
+$ELDR fit --k 2 --balanced
+
+$ELDR serve --model tiny-wide --prefill 1 --decode 2 --port 8000 &
+SERVE_PID=$!
+trap 'kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1 && break
+  kill -0 $SERVE_PID 2>/dev/null || { echo "eldr serve exited" >&2; exit 1; }
+  sleep 1
+done
+curl -sf http://127.0.0.1:8000/health >/dev/null || { echo "proxy not ready" >&2; exit 1; }
+
+$ELDR bench --url http://127.0.0.1:8000 --policies eldr,rr,jsq,random,p2c \
+  --num-prompts "${DEMO_PROMPTS:-96}" --request-rate "${DEMO_RATE:-3}" \
+  --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
