@@ -39,8 +39,8 @@ def capture(
     from stages.capture.runner import capture as run_capture
     from stages.models import resolve_model
 
-    resolved = resolve_model(model)
     items = load_prompts(prompts or paths.CALIBRATION_PROMPTS)
+    resolved = resolve_model(model)
     if limit is not None:
         items = items[:limit]
     out = out or paths.default_dataset()

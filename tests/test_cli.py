@@ -1,0 +1,104 @@
+"""The `eldr` CLI: help, defaults, and clear errors for user mistakes (heavy calls mocked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eldr_cli.app import app
+from stages import paths
+
+runner = CliRunner()
+
+
+def run_eldr(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ELDR_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "eldr_cli", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_help_lists_every_stage() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("capture", "fit", "serve", "bench", "artifacts", "models"):
+        assert command in result.output
+
+
+@pytest.mark.parametrize("command", ["capture", "fit", "serve", "bench"])
+def test_every_option_is_documented(command: str) -> None:
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0
+    import click
+
+    cmd = typer_command(command)
+    for param in cmd.params:
+        if isinstance(param, click.Option) and param.name != "help":
+            assert param.help, f"{command} --{param.name} has no help"
+
+
+def typer_command(name: str):  # type: ignore[no-untyped-def]
+    import typer.main
+
+    group = typer.main.get_command(app)
+    return group.commands[name]  # type: ignore[attr-defined]
+
+
+def test_serve_mixtral_without_weights_names_the_bundled_model(tmp_path: Path) -> None:
+    result = run_eldr("serve", "--model", "mixtral", home=tmp_path)
+    assert result.returncode == 2
+    assert "mistralai/Mixtral-8x7B-Instruct-v0.1" in result.stderr
+    assert "--model tiny" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_fit_without_dataset_says_to_capture(tmp_path: Path) -> None:
+    result = run_eldr("fit", "--k", "20", "--balanced", home=tmp_path)
+    assert result.returncode == 2
+    assert "eldr capture" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_eldr_without_artifact_says_how_to_make_one(tmp_path: Path) -> None:
+    result = run_eldr("serve", "--model", "tiny", home=tmp_path)
+    assert result.returncode == 2
+    assert "eldr fit --k 2" in result.stderr
+
+
+def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
+    result = run_eldr("capture", "--model", "no-such-model", home=tmp_path)
+    assert result.returncode == 2
+    assert "unknown model 'no-such-model'" in result.stderr
+
+
+def test_malformed_prompt_file_names_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "x", "domain": "d"}\nnot json\n')
+    result = run_eldr("capture", "--prompts", str(bad), home=tmp_path)
+    assert result.returncode == 2
+    assert f"{bad}:2" in result.stderr
+
+
+def test_capture_defaults_reach_the_runner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`eldr capture` with no options: bundled model, calibration prompts, default dataset."""
+    import stages.capture.runner as capture_runner
+    from stages.capture.runner import CaptureSummary
+
+    seen = {}
+
+    def fake_capture(model, prompts, out, config, progress=None):  # type: ignore[no-untyped-def]
+        seen.update(model=model, prompts=prompts, out=out, config=config)
+        return CaptureSummary(out, len(prompts), 0, len(prompts))
+
+    monkeypatch.setattr(capture_runner, "capture", fake_capture)
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    result = runner.invoke(app, ["capture"])
+    assert result.exit_code == 0, result.output
+    assert seen["model"].name == "tiny"
+    assert seen["out"] == tmp_path.resolve() / "signatures.zarr"
+    assert len(seen["prompts"]) == sum(1 for _ in paths.CALIBRATION_PROMPTS.open())
+    assert seen["config"].max_tokens == 32
