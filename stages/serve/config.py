@@ -1,0 +1,75 @@
+"""The proxy's settings: one frozen value, validated once, passed to ``create_app``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.errors import EldrError
+from stages.serve.policies import POLICIES
+from stages.serve.policies.eldr import DEFAULT_TAU
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    policy: str = "eldr"
+    tau: float = DEFAULT_TAU
+    # Where `eldr fit` wrote artifacts; None runs without one (signature-blind policies only).
+    artifact_store: Path | None = None
+    artifact_version: str = "latest"
+    # Filled into requests that name no model; None leaves requests untouched.
+    model: str | None = None
+    connect_timeout_s: float = 3.0
+    # Prefill answers only after the whole prompt ran, so its read timeout covers a prefill.
+    prefill_timeout_s: float = 120.0
+    # Longest silence allowed between two decode chunks (or a whole non-streamed decode).
+    decode_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    # Workers tried per leg (prefill, decode) before the request fails.
+    max_attempts: int = 3
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 4096
+    online_refit: bool = False
+    refit_window_s: float = 5.0
+    refit_interval_s: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers that build configs from JSON/CLI, but store tuples so the
+        # value stays hashable and immutable.
+        object.__setattr__(self, "prefill_urls", tuple(u.rstrip("/") for u in self.prefill_urls))
+        object.__setattr__(self, "decode_urls", tuple(u.rstrip("/") for u in self.decode_urls))
+        if self.artifact_store is not None:
+            object.__setattr__(self, "artifact_store", Path(self.artifact_store))
+        if not self.prefill_urls:
+            raise EldrError("the proxy needs at least one prefill worker url")
+        if not self.decode_urls:
+            raise EldrError("the proxy needs at least one decode worker url")
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if not url.startswith(("http://", "https://")):
+                raise EldrError(f"worker url must start with http:// or https://, got {url!r}")
+        if len(set(self.decode_urls)) != len(self.decode_urls):
+            raise EldrError("decode worker urls must be distinct")
+        if self.policy not in POLICIES:
+            raise EldrError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if not math.isfinite(self.tau) or self.tau < 0:
+            raise EldrError(f"tau must be a finite number >= 0, got {self.tau}")
+        for name in (
+            "connect_timeout_s",
+            "prefill_timeout_s",
+            "decode_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+            "refit_window_s",
+            "refit_interval_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise EldrError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_attempts < 1:
+            raise EldrError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_body_bytes < 1 or self.max_connections < 1:
+            raise EldrError("max_body_bytes and max_connections must be >= 1")

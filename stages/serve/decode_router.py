@@ -1,0 +1,163 @@
+"""The decode-routing brain of the proxy: policy + artifact + optional online refit.
+
+Synchronous and HTTP-free: the proxy calls it on the event loop between awaits, so a decision
+never interleaves with another, and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stages.errors import EldrError
+from stages.serve.artifact_source import ArtifactLike
+from stages.serve.online_refit import OnlineRefitter, RefitResult
+from stages.serve.policies import DecodePolicy, EldrPolicy, RoutingRequest, make_policy
+from stages.signature import wire
+
+
+@dataclass(frozen=True)
+class Features:
+    vector: np.ndarray | None  # float32 [D] unit vector, None when unknown
+    missing: bool  # the policy wanted a signature and the prefill did not deliver a valid one
+
+
+@dataclass(frozen=True)
+class RefitJob:
+    samples: np.ndarray
+    current_by_worker: np.ndarray
+    generation: int
+
+
+class DecodeRouter:
+    def __init__(
+        self,
+        num_workers: int,
+        policy: str,
+        tau: float,
+        artifact: ArtifactLike | None,
+        seed: int = 0,
+        refitter: OnlineRefitter | None = None,
+    ) -> None:
+        self.num_workers = num_workers
+        self.seed = seed
+        self.refitter = refitter
+        self.artifact: ArtifactLike | None = None
+        self._centroids: np.ndarray | None = None
+        self._worker_of_centroid: np.ndarray | None = None
+        self._expected_shape: tuple[int, int] | None = None
+        # Bumped whenever centroids are replaced wholesale, so a refit computed against old
+        # centroids is dropped instead of overwriting a newer artifact.
+        self.generation = 0
+        if artifact is not None:
+            self._install(artifact)
+        self.tau = tau
+        self.policy: DecodePolicy = self._build(policy, tau)
+
+    # --- configuration (admin API) ---
+
+    def _build(self, name: str, tau: float) -> DecodePolicy:
+        return make_policy(
+            name,
+            self.num_workers,
+            seed=self.seed,
+            centroids=self._centroids,
+            tau=tau,
+            worker_of_centroid=self._worker_of_centroid,
+        )
+
+    def set_policy(self, name: str, tau: float | None = None) -> None:
+        tau = self.tau if tau is None else tau
+        self.policy = self._build(name, tau)  # raises before anything changes
+        self.tau = tau
+
+    def set_artifact(self, artifact: ArtifactLike) -> None:
+        self._install(artifact)
+        if isinstance(self.policy, EldrPolicy):
+            self.policy.set_centroids(self._centroids)
+
+    def _install(self, artifact: ArtifactLike) -> None:
+        centroids = np.asarray(artifact.centroids, dtype=np.float32)
+        if centroids.ndim != 2 or centroids.shape[0] != self.num_workers:
+            raise EldrError(
+                f"artifact {artifact.version} has centroids of shape {centroids.shape}; ELDR"
+                f" needs one per decode worker ({self.num_workers})"
+            )
+        ident = artifact.identity
+        self.artifact = artifact
+        self._centroids = centroids
+        self._worker_of_centroid = np.arange(self.num_workers)
+        self._expected_shape = (int(ident.num_layers), int(ident.num_experts))
+        self.generation += 1
+        if self.refitter is not None:
+            self.refitter.clear()  # old vectors live in the old artifact's feature space
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy.name
+
+    def cluster_of_worker(self) -> list[int | None]:
+        if self._worker_of_centroid is None:
+            return [None] * self.num_workers
+        inv = np.empty(self.num_workers, dtype=np.int64)
+        inv[self._worker_of_centroid] = np.arange(self.num_workers)
+        return [int(k) for k in inv]
+
+    # --- per request ---
+
+    def features(self, kv_transfer_params: dict[str, Any] | None) -> Features:
+        if not self.policy.uses_signature or self.artifact is None:
+            return Features(None, missing=False)
+        counts = wire.decode(kv_transfer_params, self._expected_shape)
+        if counts is None:
+            return Features(None, missing=True)
+        vector = np.asarray(self.artifact.transform.apply(counts), dtype=np.float32)
+        if not vector.any():
+            # No count in any kept layer: every centroid ties at 0, which would send all such
+            # requests to the lowest index. Treat it as unknown (JSQ, random ties) instead.
+            return Features(None, missing=False)
+        if self.refitter is not None:
+            self.refitter.observe(vector, time.monotonic())
+        return Features(vector, missing=False)
+
+    def choose(self, features: np.ndarray | None, loads: np.ndarray, eligible: np.ndarray) -> int:
+        """Pick a worker; the caller dispatches right away, so the policy hears of it now."""
+        request = RoutingRequest(loads=loads, eligible=eligible, features=features)
+        worker = self.policy.choose(request)
+        self.policy.on_dispatch(worker, request)
+        return worker
+
+    def on_complete(self, worker: int) -> None:
+        self.policy.on_complete(worker)
+
+    # --- online refit (the proxy runs ``fit`` off the event loop) ---
+
+    def refit_job(self, now: float) -> RefitJob | None:
+        if self.refitter is None or self._centroids is None or not self.refitter.due(now):
+            return None
+        by_worker = np.empty_like(self._centroids)
+        by_worker[self._worker_of_centroid] = self._centroids
+        return RefitJob(self.refitter.snapshot(now), by_worker, self.generation)
+
+    def run_refit(self, job: RefitJob) -> RefitResult:
+        if self.refitter is None:
+            raise EldrError("online refit is not enabled")
+        return self.refitter.fit(job.samples, job.current_by_worker)
+
+    def defer_refit(self, now: float) -> None:
+        """After a failed fit: wait a full interval before the next attempt."""
+        if self.refitter is not None:
+            self.refitter.defer(now)
+
+    def apply_refit(self, job: RefitJob, result: RefitResult, now: float) -> bool:
+        if self.refitter is None or job.generation != self.generation:
+            return False
+        self._centroids = result.centroids
+        self._worker_of_centroid = result.worker_of_centroid
+        if isinstance(self.policy, EldrPolicy):
+            self.policy.set_centroids(result.centroids, result.worker_of_centroid)
+        self.refitter.mark_done(now)
+        return True

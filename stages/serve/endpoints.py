@@ -1,0 +1,53 @@
+"""The proxy's small endpoints: model list (from a prefill worker), health, metrics."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+
+from stages.serve.responses import json_error, json_response
+from stages.serve.state import ProxyState
+
+
+async def models(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    failures = []
+    for i in range(len(state.prefill)):
+        if not state.prefill.healthy(i):
+            continue
+        url = state.prefill.urls[i]
+        try:
+            resp = await state.client.get(url + "/v1/models", timeout=state.prefill_timeout())
+        except httpx.HTTPError as exc:
+            failures.append(f"{url}: {exc!r}")
+            continue
+        return Response(
+            resp.content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+        )
+    return json_error(
+        502, "no prefill worker answered /v1/models: " + "; ".join(failures), "prefill_failed"
+    )
+
+
+async def health(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    prefill = int(state.prefill.eligible().sum())
+    decode = int(state.decode.eligible().sum())
+    ok = prefill > 0 and decode > 0
+    return json_response(
+        {
+            "status": "ok" if ok else "unavailable",
+            "prefill_healthy": prefill,
+            "decode_healthy": decode,
+        },
+        status=200 if ok else 503,
+    )
+
+
+async def metrics(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,220 @@
+"""A fake vLLM OpenAI server for tests and benches: prefill and decode roles, on demand failures.
+
+It imitates only what the proxy relies on: a prefill request (``kv_transfer_params`` with
+``do_remote_decode``) gets one token and a ``kv_transfer_params`` hand-off carrying an encoded
+signature; any other request is a decode that streams SSE or answers JSON. Its behaviour is a
+mutable object that tests change between requests; it records what it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from stages.signature import wire
+
+SIGNATURE_SHAPE = (4, 16)
+_DOMAIN = re.compile(r"domain=(\d+)")
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return "\n".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    return str(body.get("prompt", ""))
+
+
+def domain_signature(
+    body: dict[str, Any], shape: tuple[int, int] = SIGNATURE_SHAPE
+) -> np.ndarray | None:
+    """Counts peaked on expert ``N % E`` in every layer for prompts containing ``domain=N``.
+
+    Gives tests a signature whose nearest centroid they know; prompts without a marker get an
+    even spread.
+    """
+    counts = np.ones(shape, dtype=np.int32)
+    match = _DOMAIN.search(prompt_text(body))
+    if match:
+        counts[:, int(match.group(1)) % shape[1]] += 50
+    return counts
+
+
+class StreamAborted(Exception):
+    """Raised inside a response stream to cut the connection like a crashed worker."""
+
+
+@dataclass(frozen=True)
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+    @property
+    def is_prefill(self) -> bool:
+        kv = self.body.get("kv_transfer_params")
+        return isinstance(kv, dict) and bool(kv.get("do_remote_decode"))
+
+
+@dataclass
+class FakeBehavior:
+    name: str = "fake"
+    tokens: int = 4
+    token_delay_s: float = 0.0
+    delay_s: float = 0.0  # before answering anything (a slow or hung worker)
+    fail_status: int | None = None  # answer completions with this status
+    drop_after: int | None = None  # stream this many token events, then cut the connection
+    stream_error: bool = False  # open streams with vLLM's error event (e.g. a failed KV load)
+    healthy: bool = True
+    signature: Callable[[dict[str, Any]], np.ndarray | None] = domain_signature
+    received: list[Received] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.tokens, self.token_delay_s, self.delay_s = 4, 0.0, 0.0
+        self.fail_status = self.drop_after = None
+        self.stream_error = False
+        self.healthy = True
+        self.signature = domain_signature
+        self.received.clear()
+
+
+def _completion(behavior: FakeBehavior, body: dict[str, Any], chat: bool, n: int) -> dict:
+    text = "".join(f"t{i} " for i in range(n))
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": f"cmpl-{behavior.name}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": 0,
+        "model": body.get("model", "fake"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
+    }
+
+
+def _chunk(behavior: FakeBehavior, chat: bool, i: int) -> bytes:
+    delta = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
+    event = {"id": f"cmpl-{behavior.name}", "choices": [{"index": 0, **delta}]}
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def _kv_transfer_params(behavior: FakeBehavior, body: dict[str, Any]) -> dict[str, Any]:
+    kv: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        # Unique per hand-off, so tests can tell a fresh prefill's blocks from a reused one.
+        "remote_block_ids": [len(behavior.received), 1, 2],
+        "remote_engine_id": f"engine-{behavior.name}",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+    counts = behavior.signature(body)
+    if counts is not None:
+        kv.update(wire.encode(counts))
+    return kv
+
+
+def create_fake_worker(behavior: FakeBehavior) -> Starlette:
+    async def completion(request: Request) -> Response:
+        chat = request.url.path.endswith("/chat/completions")
+        body = orjson.loads(await request.body())
+        rec = Received(request.url.path, dict(request.headers), body)
+        behavior.received.append(rec)
+        if behavior.delay_s:
+            await asyncio.sleep(behavior.delay_s)
+        if behavior.fail_status is not None:
+            err = {"error": {"message": f"{behavior.name} told to fail", "code": 0}}
+            return Response(orjson.dumps(err), behavior.fail_status, media_type="application/json")
+        headers = {"X-Request-Id": request.headers.get("x-request-id", "")}
+        if rec.is_prefill:
+            data = _completion(behavior, body, chat, 1)
+            data["kv_transfer_params"] = _kv_transfer_params(behavior, body)
+            return Response(orjson.dumps(data), media_type="application/json", headers=headers)
+        n = int(body.get("max_tokens") or behavior.tokens)
+        if not body.get("stream"):
+            data = _completion(behavior, body, chat, n)
+            return Response(orjson.dumps(data), media_type="application/json", headers=headers)
+
+        async def events() -> AsyncIterator[bytes]:
+            if behavior.stream_error:
+                err = {"error": {"message": "KV load failed", "type": "InternalServerError"}}
+                yield b"data: " + orjson.dumps(err) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            for i in range(n):
+                if behavior.drop_after is not None and i >= behavior.drop_after:
+                    raise StreamAborted(f"{behavior.name} cut its stream after {i} events")
+                if behavior.token_delay_s:
+                    await asyncio.sleep(behavior.token_delay_s)
+                yield _chunk(behavior, chat, i)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if behavior.healthy else 503)
+
+    async def models(request: Request) -> Response:
+        data = {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        return Response(orjson.dumps(data), media_type="application/json")
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completion, methods=["POST"]),
+            Route("/v1/chat/completions", completion, methods=["POST"]),
+            Route("/health", health),
+            Route("/v1/models", models),
+        ]
+    )
+
+
+class BackgroundServer:
+    """An ASGI app served by uvicorn on a free localhost port, in a thread."""
+
+    def __init__(self, app: Any, log_level: str = "warning") -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self, timeout_s: float = 10.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._thread.is_alive():
+            if self._server.started:
+                return self
+            time.sleep(0.01)
+        raise RuntimeError(f"server on {self.url} did not start")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,88 @@
+"""Prometheus metrics of one proxy, in a registry of its own (never the global one), so two
+proxies in one process (tests, benches) do not collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from stages.serve.workers import WorkerPool
+
+# Routing decisions take microseconds; the default buckets start at 5 ms.
+DECISION_BUCKETS = (
+    5e-6,
+    1e-5,
+    2e-5,
+    5e-5,
+    1e-4,
+    2e-4,
+    5e-4,
+    1e-3,
+    2e-3,
+    5e-3,
+    1e-2,
+    5e-2,
+)
+
+
+class ProxyMetrics:
+    def __init__(self, decode: WorkerPool, prefill: WorkerPool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.decisions = Counter(
+            "eldr_router_decisions_total",
+            "Decode routing decisions.",
+            ["policy", "worker"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "eldr_router_decision_seconds",
+            "Time to route one request to a decode worker (signature decode, transform, choose).",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.missing_signature = Counter(
+            "eldr_router_missing_signature_total",
+            "Requests routed by the JSQ fallback because the prefill sent no valid signature.",
+            registry=r,
+        )
+        self.retries = Counter(
+            "eldr_router_retries_total",
+            "Requests re-sent to another worker after a failure that reached no client byte.",
+            ["stage"],
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "eldr_router_request_errors_total",
+            "Requests that ended in an error, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.refits = Counter(
+            "eldr_router_refits_total", "Online centroid refits applied.", registry=r
+        )
+        inflight = Gauge(
+            "eldr_router_inflight",
+            "In-flight decode requests per decode worker.",
+            ["worker"],
+            registry=r,
+        )
+        prefill_inflight = Gauge(
+            "eldr_router_prefill_inflight",
+            "In-flight prefill requests per prefill worker.",
+            ["worker"],
+            registry=r,
+        )
+        healthy = Gauge(
+            "eldr_router_worker_healthy",
+            "1 when the worker is eligible for traffic.",
+            ["role", "worker"],
+            registry=r,
+        )
+        # Read the pools at scrape time: one source of truth, nothing to keep in sync.
+        for pool, gauge in ((decode, inflight), (prefill, prefill_inflight)):
+            for i, url in enumerate(pool.urls):
+                gauge.labels(url).set_function(lambda p=pool, i=i: p.in_flight(i))
+                healthy.labels(pool.role, url).set_function(lambda p=pool, i=i: float(p.healthy(i)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

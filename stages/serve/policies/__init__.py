@@ -1,0 +1,58 @@
+"""Decode-routing policies behind one interface, and the registry that names them.
+
+``make_policy`` is the one constructor the proxy and the simulator use, so a policy name means
+the same thing in both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stages.errors import EldrError
+from stages.serve.policies.base import DecodePolicy, RoutingRequest
+from stages.serve.policies.eldr import DEFAULT_TAU, EldrPolicy
+from stages.serve.policies.jsq import JsqPolicy
+from stages.serve.policies.p2c import PowerOfTwoPolicy
+from stages.serve.policies.random_policy import RandomPolicy
+from stages.serve.policies.round_robin import RoundRobinPolicy
+
+POLICIES: dict[str, type[DecodePolicy]] = {
+    cls.name: cls
+    for cls in (EldrPolicy, RoundRobinPolicy, JsqPolicy, RandomPolicy, PowerOfTwoPolicy)
+}
+
+
+def make_policy(
+    name: str,
+    num_workers: int,
+    seed: int = 0,
+    centroids: np.ndarray | None = None,
+    tau: float = DEFAULT_TAU,
+    worker_of_centroid: np.ndarray | None = None,
+) -> DecodePolicy:
+    """Build policy ``name`` for ``num_workers`` decode workers.
+
+    ``centroids`` (``[K, D]``, K == num_workers) and ``tau`` only matter to signature-aware
+    policies; an unknown name or ELDR without matching centroids is a user error.
+    """
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise EldrError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
+    if num_workers < 1:
+        raise EldrError(f"need at least one decode worker, got {num_workers}")
+    if cls is EldrPolicy:
+        if centroids is None:
+            raise EldrError("policy 'eldr' needs centroids: load an artifact (eldr fit) first")
+        if centroids.ndim != 2 or centroids.shape[0] != num_workers:
+            raise EldrError(
+                f"policy 'eldr' needs K == number of decode workers: the artifact has"
+                f" {centroids.shape[0] if centroids.ndim else 0} centroids for {num_workers}"
+                " decode workers (refit with --k equal to the decode worker count)"
+            )
+        return EldrPolicy(
+            num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid
+        )
+    return cls(num_workers, seed)
+
+
+__all__ = ["POLICIES", "DecodePolicy", "EldrPolicy", "RoutingRequest", "make_policy"]

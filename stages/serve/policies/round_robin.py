@@ -1,0 +1,25 @@
+"""Round-robin over eligible workers: the baseline that ignores load and signatures."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from stages.serve.policies.base import DecodePolicy, RoutingRequest
+from stages.serve.policies.select import eligible_indices
+
+
+class RoundRobinPolicy(DecodePolicy):
+    name: ClassVar[str] = "rr"
+
+    def __init__(self, num_workers: int, seed: int = 0) -> None:
+        super().__init__(num_workers, seed)
+        self._next = 0
+
+    def choose(self, request: RoutingRequest) -> int:
+        idx = eligible_indices(request.eligible)
+        # First eligible worker at or after the cursor, wrapping: an unhealthy worker's turn
+        # passes to the next one instead of stalling the rotation.
+        after = idx[idx >= self._next]
+        worker = int(after[0]) if after.size else int(idx[0])
+        self._next = (worker + 1) % self.num_workers
+        return worker

@@ -1,0 +1,124 @@
+"""The ELDR PD proxy: a Starlette app that prefills, routes by expert locality, and decodes.
+
+``create_app(config)`` builds it; ``run_proxy(config, host, port)`` serves it with uvicorn.
+All mutable state lives in one ``ProxyState`` on ``app.state.proxy``; the HTTP client and
+background loops live exactly as long as the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Route
+from threadpoolctl import threadpool_limits
+
+from stages.serve import admin, endpoints
+from stages.serve.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.completions import chat_completions, completions
+from stages.serve.config import ProxyConfig
+from stages.serve.health import health_loop
+from stages.serve.online_refit import FitFn, balanced_fit
+from stages.serve.refit_task import refit_loop
+from stages.serve.state import ProxyState, build_state
+
+log = logging.getLogger(__name__)
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    # These loops never return; one that died stops re-admitting workers or refitting, which
+    # must be loud at once, not discovered at shutdown.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    state: ProxyState = app.state.proxy
+    c = state.config
+    limits = httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=256)
+    timeout = httpx.Timeout(c.decode_timeout_s, connect=c.connect_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        state._client = client
+        loops = [
+            (
+                "eldr-health",
+                health_loop(
+                    client, [state.prefill, state.decode], c.health_interval_s, c.health_timeout_s
+                ),
+            )
+        ]
+        if state.router.refitter is not None:
+            loops.append(
+                ("eldr-refit", refit_loop(state.router, state.metrics, c.refit_interval_s))
+            )
+        tasks = [asyncio.create_task(coro, name=name) for name, coro in loops]
+        for task in tasks:
+            task.add_done_callback(_report_crash)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            # Crashes were logged by _report_crash; here we only wait for the cancellations.
+            await asyncio.gather(*tasks, return_exceptions=True)
+            state._client = None
+
+
+def create_app(
+    config: ProxyConfig,
+    *,
+    artifact_loader: ArtifactLoader = load_from_store,
+    refit_fn: FitFn = balanced_fit,
+) -> Starlette:
+    """The proxy app. Loads the artifact now, so a bad config fails before serving.
+
+    ``artifact_loader`` and ``refit_fn`` exist for tests and the simulator; the defaults read
+    ``eldr fit``'s artifact store and run the balanced spherical k-means.
+    """
+    state = build_state(config, artifact_loader=artifact_loader, refit_fn=refit_fn)
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", endpoints.models, methods=["GET"]),
+            Route("/health", endpoints.health, methods=["GET"]),
+            Route("/metrics", endpoints.metrics, methods=["GET"]),
+            Route("/admin/state", admin.get_state, methods=["GET"]),
+            Route("/admin/policy", admin.set_policy, methods=["POST"]),
+            Route("/admin/artifact", admin.set_artifact, methods=["POST"]),
+        ],
+        lifespan=_lifespan,
+    )
+    app.state.proxy = state
+    return app
+
+
+def run_proxy(
+    config: ProxyConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    *,
+    artifact_loader: ArtifactLoader = load_from_store,
+) -> None:
+    """Serve the proxy until interrupted (blocking; the launcher's entry point)."""
+    # Routing math is one small matrix-vector product per request on the event loop; BLAS
+    # helper threads would only add wake-up latency and steal cores from co-located workers.
+    threadpool_limits(1, user_api="blas")
+    app = create_app(config, artifact_loader=artifact_loader)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        # Per-request access lines cost more than the routing itself at 100 req/s.
+        access_log=False,
+        # Long decode streams must not be cut by uvicorn's keep-alive timer between requests.
+        timeout_keep_alive=30,
+    )

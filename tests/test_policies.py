@@ -1,0 +1,172 @@
+"""Each decode policy's rule, eligibility, and the registry."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from stages.errors import EldrError
+from stages.serve.policies import POLICIES, EldrPolicy, RoutingRequest, make_policy
+from stages.serve.policies.jsq import JsqPolicy
+from stages.serve.policies.p2c import PowerOfTwoPolicy
+from stages.serve.policies.random_policy import RandomPolicy
+from stages.serve.policies.round_robin import RoundRobinPolicy
+
+
+def req(loads, eligible=None, features=None) -> RoutingRequest:
+    loads = np.asarray(loads, dtype=np.int64)
+    elig = np.ones(loads.size, bool) if eligible is None else np.asarray(eligible, bool)
+    return RoutingRequest(loads=loads, eligible=elig, features=features)
+
+
+def unit(v) -> np.ndarray:
+    v = np.asarray(v, dtype=np.float32)
+    return v / np.linalg.norm(v)
+
+
+# Four orthogonal centroids: similarity to centroid k is just feature component k.
+EYE4 = np.eye(4, dtype=np.float32)
+
+
+# --- registry ---
+
+
+def test_registry_names_every_policy() -> None:
+    assert set(POLICIES) == {"eldr", "rr", "jsq", "random", "p2c"}
+    assert isinstance(make_policy("rr", 3), RoundRobinPolicy)
+    assert isinstance(make_policy("jsq", 3), JsqPolicy)
+    assert isinstance(make_policy("random", 3), RandomPolicy)
+    assert isinstance(make_policy("p2c", 3), PowerOfTwoPolicy)
+    assert isinstance(make_policy("eldr", 4, centroids=EYE4), EldrPolicy)
+
+
+def test_registry_errors() -> None:
+    with pytest.raises(EldrError, match="unknown policy"):
+        make_policy("nope", 3)
+    with pytest.raises(EldrError, match="needs centroids"):
+        make_policy("eldr", 4)
+    with pytest.raises(EldrError, match="K == number of decode workers"):
+        make_policy("eldr", 3, centroids=EYE4)
+    with pytest.raises(EldrError, match="tau"):
+        make_policy("eldr", 4, centroids=EYE4, tau=-0.1)
+    with pytest.raises(EldrError):
+        make_policy("rr", 0)
+
+
+# --- baselines ---
+
+
+def test_round_robin_cycles_and_skips_ineligible() -> None:
+    p = make_policy("rr", 4)
+    assert [p.choose(req([0, 0, 0, 0])) for _ in range(5)] == [0, 1, 2, 3, 0]
+    mask = [True, False, True, True]
+    assert [p.choose(req([0] * 4, mask)) for _ in range(4)] == [2, 3, 0, 2]
+
+
+def test_jsq_picks_least_loaded_with_random_ties() -> None:
+    p = make_policy("jsq", 4, seed=1)
+    assert p.choose(req([3, 1, 2, 5])) == 1
+    picks = Counter(p.choose(req([1, 0, 0, 0], [True, True, False, True])) for _ in range(200))
+    assert set(picks) == {1, 3}  # both tied workers, never the ineligible one
+    assert min(picks.values()) > 50
+
+
+def test_random_only_eligible_and_covers_them() -> None:
+    p = make_policy("random", 5, seed=2)
+    picks = Counter(p.choose(req([0] * 5, [True, False, True, True, False])) for _ in range(300))
+    assert set(picks) == {0, 2, 3}
+
+
+def test_p2c_keeps_the_less_loaded_of_two() -> None:
+    p = make_policy("p2c", 2, seed=3)
+    assert all(p.choose(req([5, 1])) == 1 for _ in range(50))
+    p3 = make_policy("p2c", 3, seed=3)
+    # The most loaded of three can never win a pairwise comparison.
+    assert all(p3.choose(req([1, 9, 0])) != 1 for _ in range(100))
+    assert all(p3.choose(req([0, 0, 0], [False, True, False])) == 1 for _ in range(10))
+    picks = Counter(p3.choose(req([0, 0, 0], [True, False, True])) for _ in range(200))
+    assert set(picks) == {0, 2}
+
+
+def test_seeded_policies_are_reproducible() -> None:
+    for name in ("jsq", "random", "p2c"):
+        a, b = make_policy(name, 6, seed=7), make_policy(name, 6, seed=7)
+        r = req([0, 0, 1, 0, 0, 1])
+        assert [a.choose(r) for _ in range(30)] == [b.choose(r) for _ in range(30)]
+
+
+# --- ELDR band ---
+
+
+def test_eldr_tau0_is_nearest_centroid_whatever_the_load() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0)
+    f = unit([0.1, 0.2, 0.9, 0.3])
+    assert p.choose(req([0, 0, 50, 0], features=f)) == 2
+
+
+def test_eldr_band_picks_least_loaded_candidate() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4, tau=0.1)
+    f = unit([0.70, 0.66, 0.1, 0.0])  # s0 and s1 within 0.1 of each other; s2, s3 far
+    assert p.choose(req([4, 2, 0, 0], features=f)) == 1
+    assert p.choose(req([1, 2, 0, 0], features=f)) == 0
+
+
+def test_eldr_ties_go_to_lowest_index() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4, tau=0.1)
+    f = unit([0.0, 0.70, 0.0, 0.68])
+    assert p.choose(req([0, 1, 0, 1], features=f)) == 1
+
+
+def test_eldr_single_candidate_admits_second_best() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4, tau=0.05)
+    f = unit([0.2, 0.9, 0.0, 0.5])  # band {1} alone; runner-up is 3, not 0
+    assert p.choose(req([0, 3, 0, 1], features=f)) == 3
+    assert p.choose(req([0, 3, 0, 3], features=f)) == 1  # tie -> lowest index
+    # tau = 0 never widens the band.
+    p0 = make_policy("eldr", 4, centroids=EYE4, tau=0.0)
+    assert p0.choose(req([0, 3, 0, 1], features=f)) == 1
+
+
+def test_eldr_tau1_is_join_shortest_queue() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4, tau=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        f = unit(rng.random(4) + 1e-3)  # non-negative, like count x IDF features
+        loads = rng.integers(0, 5, size=4)
+        assert p.choose(req(loads, features=f)) == int(np.argmin(loads))
+
+
+def test_eldr_skips_ineligible_workers() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0)
+    f = unit([0.1, 0.2, 0.9, 0.3])
+    assert p.choose(req([0, 0, 0, 0], [True, True, False, True], features=f)) == 3
+    p1 = make_policy("eldr", 4, centroids=EYE4, tau=0.1)
+    only = [False, False, True, False]
+    assert p1.choose(req([9, 0, 9, 0], only, features=unit([1, 0, 0, 0]))) == 2
+
+
+def test_eldr_without_features_falls_back_to_jsq() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0, seed=4)
+    assert p.choose(req([3, 2, 0, 1])) == 2
+    picks = {p.choose(req([1, 0, 0, 1])) for _ in range(100)}
+    assert picks == {1, 2}
+
+
+def test_eldr_worker_of_centroid_permutation() -> None:
+    perm = np.array([2, 0, 3, 1])  # centroid k serves worker perm[k]
+    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0, worker_of_centroid=perm)
+    for k in range(4):
+        assert p.choose(req([0] * 4, features=EYE4[k])) == perm[k]
+    assert list(p.cluster_of_worker()) == [1, 3, 0, 2]
+    p.set_centroids(EYE4)  # back to the identity
+    assert p.choose(req([0] * 4, features=EYE4[2])) == 2
+
+
+def test_eldr_rejects_bad_shapes() -> None:
+    p = make_policy("eldr", 4, centroids=EYE4)
+    with pytest.raises(EldrError, match="permutation"):
+        p.set_centroids(EYE4, np.array([0, 0, 1, 2]))
+    with pytest.raises(EldrError, match="shape"):
+        p.choose(req([0] * 4, features=np.ones(3, np.float32)))

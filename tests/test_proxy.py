@@ -1,0 +1,479 @@
+"""The proxy end to end over real sockets, against fake vLLM prefill/decode workers."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from stages.errors import EldrError
+from stages.serve.config import ProxyConfig
+from stages.serve.fake_artifact import domain_artifact
+from stages.serve.fake_worker import BackgroundServer, FakeBehavior, create_fake_worker
+from stages.serve.proxy import create_app
+from stages.serve.state import ProxyState
+from stages.signature import wire
+
+K = 3
+
+
+def load_fake_artifact(root: Path, version: str):
+    if version == "missing":
+        raise EldrError(f"no artifact {version} in {root}")
+    return domain_artifact(4 if version == "k4" else K, version=version)
+
+
+@dataclass
+class Cluster:
+    prefill: list[FakeBehavior]
+    decode: list[FakeBehavior]
+    state: ProxyState
+    client: httpx.Client
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.state.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def inflight(self) -> list[int]:
+        return [w["in_flight"] for w in self.client.get("/admin/state").json()["decode_workers"]]
+
+    def decoded_by(self) -> list[str]:
+        """Names of the decode workers that received a request, in order."""
+        return [b.name for b in self.decode for _ in b.received]
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def dead_url() -> str:
+    """A localhost port with nothing listening (connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def fast_config(prefill: list[str], decode: list[str], **kw) -> ProxyConfig:
+    base = dict(
+        # Generous enough for a loaded 2-core box; the timeout test tightens its own proxy.
+        connect_timeout_s=1.0,
+        prefill_timeout_s=3.0,
+        decode_timeout_s=3.0,
+        health_interval_s=0.05,
+        health_timeout_s=0.5,
+        max_body_bytes=16 * 1024,
+    )
+    return ProxyConfig(prefill_urls=tuple(prefill), decode_urls=tuple(decode), **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    prefill = [FakeBehavior(f"p{i}") for i in range(2)]
+    decode = [FakeBehavior(f"d{i}") for i in range(K)]
+    workers = [
+        BackgroundServer(create_fake_worker(b), "critical").start() for b in prefill + decode
+    ]
+    config = fast_config(
+        [w.url for w in workers[:2]],
+        [w.url for w in workers[2:]],
+        policy="eldr",
+        tau=0.0,
+        artifact_store=Path("/artifacts"),
+        model="fake-model",
+    )
+    app = create_app(config, artifact_loader=load_fake_artifact)
+    with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as client:
+        yield Cluster(prefill, decode, app.state.proxy, client)
+    for w in workers:
+        w.stop()
+
+
+@pytest.fixture
+def env(cluster: Cluster) -> Iterator[Cluster]:
+    for b in cluster.prefill + cluster.decode:
+        b.reset()
+    for pool in (cluster.state.prefill, cluster.state.decode):
+        for i in range(len(pool)):
+            pool.mark_healthy(i)
+    assert cluster.client.post("/admin/policy", json={"policy": "eldr", "tau": 0.0}).is_success
+    yield cluster
+    # Every test, whatever it did, must leave no request counted in flight.
+    wait_until(lambda: cluster.inflight() == [0] * K)
+
+
+def handed_by(c: Cluster, rec) -> str:
+    return next(b.name for b in c.prefill if rec in b.received)
+
+
+def prefills(c: Cluster) -> list:
+    return [rec for b in c.prefill for rec in b.received]
+
+
+def completion(c: Cluster, prompt: str, **kw) -> httpx.Response:
+    return c.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, **kw})
+
+
+def test_routes_by_signature_and_passes_kv_params(env: Cluster) -> None:
+    for domain in (2, 0, 1, 2):
+        r = completion(env, f"domain={domain} tell me")
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == f"cmpl-d{domain}"
+    pre = next(rec for b in env.prefill for rec in b.received)
+    assert pre.body["max_tokens"] == 1 and pre.body["stream"] is False
+    assert pre.body["kv_transfer_params"]["do_remote_decode"] is True
+    assert pre.body["model"] == "fake-model"  # filled from the config
+    dec = env.decode[2].received[0]
+    assert dec.body["max_tokens"] == 3 and not dec.is_prefill
+    kv = dec.body["kv_transfer_params"]
+    handed = next(
+        rec
+        for b in env.prefill
+        for rec in b.received
+        if rec.headers["x-request-id"] == dec.headers["x-request-id"]
+    )
+    assert kv["remote_engine_id"] == f"engine-{handed_by(env, handed)}"
+    assert kv["remote_block_ids"][1:] == [1, 2] and kv["do_remote_prefill"] is True
+    # The NIXL hand-off is passed on unchanged; only eldr's signature stays behind.
+    assert wire.SIGNATURE_KEY not in kv and wire.SHAPE_KEY not in kv
+    assert env.metric("eldr_router_decisions_total", policy="eldr", worker=env.state.decode.urls[2])
+
+
+def test_stream_passthrough_chat(env: Cluster) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "domain=1 hi"}],
+        "stream": True,
+        "max_completion_tokens": 3,
+        "max_tokens": 3,
+        "stream_options": {"include_usage": True},
+    }
+    with env.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read()
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    contents = [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]]
+    assert contents == ["t0 ", "t1 ", "t2 "]
+    assert env.decoded_by() == ["d1"]
+    pre = next(rec for b in env.prefill for rec in b.received)
+    assert pre.body["max_completion_tokens"] == 1 and "stream_options" not in pre.body
+    assert env.decode[1].received[0].body["stream_options"] == {"include_usage": True}
+
+
+def test_request_id_forwarded_or_generated(env: Cluster) -> None:
+    r = completion(env, "domain=0", stream=False)
+    rid = r.headers["x-request-id"]
+    assert len(rid) >= 16
+    r2 = env.client.post(
+        "/v1/completions",
+        json={"prompt": "domain=0", "max_tokens": 2},
+        headers={"X-Request-Id": "abc-123"},
+    )
+    assert r2.headers["x-request-id"] == "abc-123"
+    seen = [rec.headers["x-request-id"] for b in env.prefill + env.decode for rec in b.received]
+    assert sorted(seen) == sorted([rid, rid, "abc-123", "abc-123"])
+
+
+def test_inflight_counts_while_streaming_and_after_disconnect(env: Cluster) -> None:
+    for b in env.decode:
+        b.token_delay_s = 0.02
+    body = {"prompt": "domain=2", "max_tokens": 500, "stream": True}
+    with env.client.stream("POST", "/v1/completions", json=body) as r:
+        # Keep the iterator referenced: a dropped one closes the connection at once.
+        chunks = r.iter_raw()
+        assert next(chunks).startswith(b"data: ")
+        assert env.inflight() == [0, 0, 1]
+    # Leaving the block closed the connection mid-stream: the count must drop by itself.
+    wait_until(lambda: env.inflight() == [0, 0, 0])
+    assert len(env.decode[2].received) == 1
+
+
+def test_client_leaving_before_the_answer_frees_the_worker(env: Cluster) -> None:
+    env.decode[0].delay_s = 1.5
+    left = env.metric("eldr_router_request_errors_total", kind="client_disconnect")
+    with pytest.raises(httpx.ReadTimeout):
+        env.client.post("/v1/completions", json={"prompt": "domain=0"}, timeout=0.3)
+    # Freed when the client leaves, not when the worker would have answered.
+    wait_until(lambda: env.inflight() == [0, 0, 0], timeout_s=1.0)
+    wait_until(
+        lambda: env.metric("eldr_router_request_errors_total", kind="client_disconnect") == left + 1
+    )
+
+
+def test_retry_on_failing_decode_worker_before_streaming(env: Cluster) -> None:
+    env.decode[0].fail_status = 500
+    env.decode[0].healthy = False  # keep it out until we say so
+    retries = env.metric("eldr_router_retries_total", stage="decode")
+    for stream in (False, True):
+        r = completion(env, "domain=0", stream=stream)
+        assert r.status_code == 200
+        assert b"t0" in r.content
+    assert env.metric("eldr_router_retries_total", stage="decode") == retries + 1
+    # d0 received the first request, so its KV hand-off may be spent: the retry ran a new
+    # prefill and the second worker got the fresh block ids.
+    assert len(prefills(env)) == 3
+    first_try = env.decode[0].received[0].body["kv_transfer_params"]["remote_block_ids"]
+    retried = next(b for b in env.decode[1:] if b.received).received[0]
+    assert retried.body["kv_transfer_params"]["remote_block_ids"] != first_try
+    state = env.client.get("/admin/state").json()["decode_workers"][0]
+    assert not state["healthy"] and "500" in state["last_error"]
+    assert len(env.decode[0].received) == 1  # the second request skipped it
+    env.decode[0].fail_status = None
+    env.decode[0].healthy = True  # the health checker re-admits it
+    wait_until(lambda: env.client.get("/admin/state").json()["decode_workers"][0]["healthy"])
+
+
+def test_retry_on_decode_timeout(env: Cluster) -> None:
+    env.decode[1].delay_s = 1.0  # beyond this proxy's decode_timeout_s
+    env.decode[1].healthy = False
+    c = env.state.config
+    config = fast_config(
+        c.prefill_urls,
+        c.decode_urls,
+        policy="eldr",
+        tau=0.0,
+        artifact_store=Path("/a"),
+        decode_timeout_s=0.3,
+    )
+    app = create_app(config, artifact_loader=load_fake_artifact)
+    with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url) as client:
+        r = client.post("/v1/completions", json={"prompt": "domain=1", "stream": True})
+        assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+        state = client.get("/admin/state").json()["decode_workers"][1]
+        assert "Timeout" in state["last_error"]
+
+
+def test_error_as_first_stream_event_is_retried(env: Cluster) -> None:
+    env.decode[2].stream_error = True  # what vLLM streams when the KV load failed
+    env.decode[2].healthy = False
+    r = completion(env, "domain=2", stream=True)
+    assert r.status_code == 200 and b"error" not in r.content
+    assert r.content.endswith(b"data: [DONE]\n\n") and b"t0" in r.content
+    assert len(prefills(env)) == 2  # a fresh hand-off for the retry
+
+
+def test_error_event_mid_stream(env: Cluster) -> None:
+    for b in env.decode:
+        b.drop_after = 2
+    broken = env.metric("eldr_router_request_errors_total", kind="decode_stream_broken")
+    r = completion(env, "domain=1", stream=True, max_tokens=6)
+    assert r.status_code == 200
+    events = [e for e in r.content.split(b"\n\n") if e]
+    assert [orjson.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == ["t0 ", "t1 "]
+    assert orjson.loads(events[2][6:])["error"]["type"] == "upstream_error"
+    assert events[3] == b"data: [DONE]"
+    assert len(events) == 4
+    assert env.metric("eldr_router_request_errors_total", kind="decode_stream_broken") == broken + 1
+
+
+def test_all_decode_workers_failing_is_502(env: Cluster) -> None:
+    for b in env.decode:
+        b.fail_status = 503
+        b.healthy = False
+    r = completion(env, "domain=0")
+    assert r.status_code == 502
+    assert r.json()["error"]["type"] == "decode_failed"
+    r = completion(env, "domain=0")  # every worker now out of rotation
+    assert r.status_code == 503 and r.json()["error"]["type"] == "no_decode_worker"
+
+
+def test_bad_requests(env: Cluster) -> None:
+    r = env.client.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "bad_request"
+    assert env.client.post("/v1/completions", json=[1, 2]).status_code == 400
+    big = {"prompt": "x" * 20_000, "max_tokens": 1}
+    assert env.client.post("/v1/completions", json=big).status_code == 413
+
+    def chunked():
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"y" * 1000
+        yield b'"}'
+
+    assert env.client.post("/v1/completions", content=chunked()).status_code == 413
+    assert not any(b.received for b in env.prefill)
+    assert env.metric("eldr_router_request_errors_total", kind="too_large") >= 2
+
+
+def test_prefill_failures(env: Cluster) -> None:
+    for b in env.prefill:
+        b.fail_status = 500
+    r = completion(env, "domain=0")
+    assert r.status_code == 502 and r.json()["error"]["type"] == "prefill_failed"
+    assert not any(b.received for b in env.decode)
+    for b in env.prefill:
+        b.fail_status = 400  # vLLM rejecting the request itself: the client sees that
+    r = completion(env, "domain=0")
+    assert r.status_code == 400 and "told to fail" in r.text
+
+
+def test_missing_signature_falls_back_and_is_counted(env: Cluster) -> None:
+    for b in env.prefill:
+        b.signature = lambda body: None
+    before = env.metric("eldr_router_missing_signature_total")
+    r = completion(env, "domain=2")
+    assert r.status_code == 200
+    assert env.metric("eldr_router_missing_signature_total") == before + 1
+    for b in env.prefill:
+        b.signature = lambda body: np.ones((9, 9), np.int32)  # wrong [L, E] for the artifact
+    assert completion(env, "domain=2").status_code == 200
+    assert env.metric("eldr_router_missing_signature_total") == before + 2
+
+
+def test_admin_switches_policy_at_run_time(env: Cluster) -> None:
+    r = env.client.post("/admin/policy", json={"policy": "rr"})
+    assert r.status_code == 200 and r.json()["policy"] == "rr"
+    for _ in range(3):
+        assert completion(env, "domain=2").status_code == 200
+    assert env.decoded_by() == ["d0", "d1", "d2"]  # signature ignored
+    assert env.metric("eldr_router_decisions_total", policy="rr", worker=env.state.decode.urls[0])
+    r = env.client.post("/admin/policy", json={"policy": "eldr", "tau": 0.3})
+    assert r.json()["policy"] == "eldr" and r.json()["tau"] == 0.3
+    assert env.client.post("/admin/policy", json={"policy": "nope"}).status_code == 400
+    assert env.client.post("/admin/policy", json={"policy": "eldr", "tau": "x"}).status_code == 400
+    assert env.client.get("/admin/state").json()["tau"] == 0.3
+
+
+def test_admin_switches_artifact(env: Cluster) -> None:
+    r = env.client.post("/admin/artifact", json={"version": "v2"})
+    assert r.status_code == 200 and r.json()["artifact_version"] == "v2"
+    bad = env.client.post("/admin/artifact", json={"version": "k4"})
+    assert bad.status_code == 400 and "one per decode worker" in bad.json()["error"]["message"]
+    assert env.client.post("/admin/artifact", json={"version": "missing"}).status_code == 400
+    state = env.client.get("/admin/state").json()
+    assert state["artifact_version"] == "v2"
+    assert [w["cluster"] for w in state["decode_workers"]] == [0, 1, 2]
+
+
+def test_models_health_metrics(env: Cluster) -> None:
+    assert env.client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    assert env.client.get("/health").json()["status"] == "ok"
+    text = env.client.get("/metrics").text
+    for name in (
+        "eldr_router_decisions_total",
+        "eldr_router_decision_seconds_bucket",
+        "eldr_router_missing_signature_total",
+        "eldr_router_inflight",
+        "eldr_router_retries_total",
+        "eldr_router_request_errors_total",
+    ):
+        assert name in text
+
+
+def test_dead_workers_are_skipped_and_stay_out() -> None:
+    p = FakeBehavior("p")
+    d = FakeBehavior("d")
+    with (
+        BackgroundServer(create_fake_worker(p), "critical") as ps,
+        BackgroundServer(create_fake_worker(d), "critical") as ds,
+    ):
+        config = fast_config([dead_url(), ps.url], [dead_url(), ds.url], policy="rr")
+        app = create_app(config)
+        with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url) as client:
+            for i in range(4):
+                r = client.post(
+                    "/v1/completions",
+                    json={"prompt": f"q{i}", "max_tokens": 2, "stream": i % 2 == 1},
+                )
+                assert r.status_code == 200, r.text
+            state = client.get("/admin/state").json()
+            assert [w["healthy"] for w in state["decode_workers"]] == [False, True]
+            assert [w["in_flight"] for w in state["decode_workers"]] == [0, 0]
+            assert len(d.received) == 4
+            # Connect errors mean the worker never saw the request: its hand-off is reused.
+            assert len(p.received) == 4
+            time.sleep(0.2)  # health probes keep failing: still out
+            assert not client.get("/admin/state").json()["decode_workers"][0]["healthy"]
+            assert client.get("/health").status_code == 200
+
+
+def test_online_refit_keeps_clusters_on_workers() -> None:
+    order = np.array([2, 0, 1])
+
+    def permuted_fit(samples: np.ndarray, k: int, seed: int) -> np.ndarray:
+        return domain_artifact(K).centroids[order]
+
+    p = FakeBehavior("p")
+    ds = [FakeBehavior(f"d{i}") for i in range(K)]
+    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in [p, *ds]]
+    try:
+        config = fast_config(
+            [servers[0].url],
+            [s.url for s in servers[1:]],
+            policy="eldr",
+            tau=0.0,
+            artifact_store=Path("/a"),
+            online_refit=True,
+            refit_interval_s=0.05,
+        )
+        app = create_app(config, artifact_loader=load_fake_artifact, refit_fn=permuted_fit)
+        with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url) as client:
+            for i in range(4 * K):
+                assert (
+                    client.post("/v1/completions", json={"prompt": f"domain={i % K}"}).status_code
+                    == 200
+                )
+            wait_until(lambda: client.get("/admin/state").json()["refits"] >= 1)
+            state = client.get("/admin/state").json()
+            assert [w["cluster"] for w in state["decode_workers"]] == list(np.argsort(order))
+            for b in ds:
+                b.received.clear()
+            for dom in range(K):
+                client.post("/v1/completions", json={"prompt": f"domain={dom}"})
+            assert [len(b.received) for b in ds] == [1, 1, 1]
+            assert all(b.received[0].body["prompt"] == f"domain={i}" for i, b in enumerate(ds))
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_real_artifact_store_end_to_end(tmp_path: Path) -> None:
+    artifact_mod = pytest.importorskip("stages.fit.artifact")
+    from stages.signature.dataset import ModelIdentity
+
+    fake = domain_artifact(K)
+    ident = ModelIdentity("fake-moe", fake.identity.num_layers, fake.identity.num_experts, 2)
+    store = artifact_mod.ArtifactStore(tmp_path)
+    version = store.save(
+        centroids=fake.centroids,
+        transform=fake.transform,
+        identity=ident,
+        dataset_hash="test",
+        params={"k": K},
+        metrics={},
+    )
+    p = FakeBehavior("p")
+    ds = [FakeBehavior(f"d{i}") for i in range(K)]
+    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in [p, *ds]]
+    try:
+        config = fast_config(
+            [servers[0].url],
+            [s.url for s in servers[1:]],
+            policy="eldr",
+            tau=0.0,
+            artifact_store=tmp_path,
+        )
+        app = create_app(config)  # the default loader: the fit stage's ArtifactStore
+        with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url) as client:
+            assert client.get("/admin/state").json()["artifact_version"] == version
+            for dom in (2, 0, 1):
+                r = client.post("/v1/completions", json={"prompt": f"domain={dom}"})
+                assert r.json()["id"] == f"cmpl-d{dom}"
+            r = client.post("/admin/artifact", json={"version": version})
+            assert r.status_code == 200
+            assert client.post("/admin/artifact", json={"version": "0" * 12}).status_code == 400
+    finally:
+        for s in servers:
+            s.stop()
