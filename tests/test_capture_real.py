@@ -36,12 +36,20 @@ PROMPTS = [
 MAX_TOKENS = 6
 
 
+def _all_prompts() -> list[dict[str, str]]:
+    """The hand-written prompts plus a spread of bundled evaluation prompts (~4k tokens)."""
+    from stages.paths import EVALUATION_PROMPTS
+
+    lines = EVALUATION_PROMPTS.read_text().splitlines()
+    return PROMPTS + [json.loads(line) for line in lines[::60][:12]]
+
+
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, Path]:
     """`eldr capture` through the real CLI, one prompt per batch, with per-token tracing."""
     work = tmp_path_factory.mktemp("capture")
     prompts = work / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    prompts.write_text("\n".join(json.dumps(p) for p in _all_prompts()) + "\n")
     out = work / "sig.zarr"
     trace = work / "trace"
     env = {**os.environ, "ELDR_TRACE_DIR": str(trace)}
@@ -56,7 +64,7 @@ def test_capture_stores_every_prompt_with_exact_row_sums(captured: tuple[Path, P
     dataset = SignatureDataset.open(captured[0])
     arrays = dataset.read()
     top_k = dataset.identity.top_k
-    assert sorted(arrays.ids.tolist()) == sorted(p["id"] for p in PROMPTS)
+    assert sorted(arrays.ids.tolist()) == sorted(p["id"] for p in _all_prompts())
     assert (arrays.output_tokens == MAX_TOKENS).all()
     # Every prompt token picks top_k experts in every layer; decode counts cover the generated
     # tokens fed back into the model (all but the last).
@@ -64,7 +72,7 @@ def test_capture_stores_every_prompt_with_exact_row_sums(captured: tuple[Path, P
         arrays.prefill_counts.sum(axis=2), np.outer(arrays.prompt_tokens, np.ones(4)) * top_k
     )
     np.testing.assert_array_equal(
-        arrays.decode_counts.sum(axis=2), np.full((len(PROMPTS), 4), (MAX_TOKENS - 1) * top_k)
+        arrays.decode_counts.sum(axis=2), np.full((len(arrays), 4), (MAX_TOKENS - 1) * top_k)
     )
 
 
@@ -75,7 +83,7 @@ def test_capture_rerun_skips_stored_prompts(captured: tuple[Path, Path]) -> None
            str(prompts), "--out", str(captured[0]), "--max-tokens", str(MAX_TOKENS)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "0 new signatures (4 already there)" in result.stdout
+    assert f"0 new signatures ({len(_all_prompts())} already there)" in result.stdout
     assert SignatureDataset.open(captured[0]).content_hash() == before
 
 
@@ -89,28 +97,39 @@ def test_recorded_expert_ids_match_transformers_router(
     steps = sorted(captured[1].glob("step-*.npy"))
     traced = np.concatenate([np.load(s) for s in steps], axis=1)  # [L, tokens, k]
     arrays = SignatureDataset.open(captured[0]).read()
-    order = {p["id"]: p for p in PROMPTS}
+    texts = {p["id"]: p["prompt"] for p in _all_prompts()}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     offset = 0
     agree = np.zeros(4)
+    clear_agree = np.zeros(4)
+    clear_total = np.zeros(4)
     total = 0
     for req_id, n_prompt, n_out in zip(arrays.ids, arrays.prompt_tokens, arrays.output_tokens,
                                        strict=True):
-        ids = tokenizer(order[str(req_id)]["prompt"])["input_ids"]
+        ids = tokenizer(texts[str(req_id)])["input_ids"][-(1024 - MAX_TOKENS):]
         assert len(ids) == n_prompt
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_router_logits=True)
-        hf = np.stack([
-            torch.topk(logits, 2, dim=-1).indices.numpy() for logits in out.router_logits
-        ])  # [L, tokens, k]
+        logits = torch.stack([layer.float() for layer in out.router_logits]).numpy()  # [L,T,E]
+        hf = np.argsort(-logits, axis=-1)[..., :2]
+        probs = torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
+        ranked = np.sort(probs, axis=-1)
+        # vLLM computes in bf16, transformers here in fp32: a token whose 2nd and 3rd experts
+        # are within 0.01 probability is a near-tie either may break differently.
+        clear = ranked[..., -2] - ranked[..., -3] > 0.01
         ours = traced[:, offset : offset + n_prompt]
-        agree += (np.sort(ours, -1) == np.sort(hf, -1)).all(-1).sum(-1)
+        same = (np.sort(ours, -1) == np.sort(hf, -1)).all(-1)
+        agree += same.sum(-1)
+        clear_agree += (same & clear).sum(-1)
+        clear_total += clear.sum(-1)
         total += n_prompt
         offset += n_prompt + n_out - 1
     assert offset == traced.shape[1]
-    rate = agree / total
-    assert (rate >= 0.98).all(), f"per-layer agreement {rate}"
+    assert total > 2000
+    assert (agree / total >= 0.98).all(), f"per-layer agreement {agree / total}"
+    clear_rate = clear_agree / clear_total
+    assert (clear_rate >= 0.995).all(), f"without near-ties {clear_rate}"
 
 
 def test_prefix_cache_hit_signature_equals_cold_run(plain_server: str) -> None:
