@@ -84,10 +84,12 @@ def serve(
             seed=seed,
         )
         typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
-        signal.signal(signal.SIGTERM, previous)  # uvicorn handles SIGTERM from here on
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our
+        # handler turns that into KeyboardInterrupt so the workers below are still stopped.
         run_proxy(config, host=host, port=port, log_level="warning")
     finally:
         cluster.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _check_artifact(store: Path, version: str, identity: object, num_decode: int) -> None:

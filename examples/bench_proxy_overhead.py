@@ -16,7 +16,7 @@ figure, since latency also counts the waits for a core that other tenants hold.
 The real-vLLM variant of this measurement (NixlConnector PD on the tiny MoE) is run by the
 lead, not here.
 
-    python examples/bench_proxy_overhead.py [--requests 400] [--tokens 16]
+    python -m examples.bench_proxy_overhead [--requests 400] [--tokens 16]   # from the repo root
 """
 
 from __future__ import annotations
@@ -35,9 +35,19 @@ import numpy as np
 import orjson
 
 from stages.serve.config import ProxyConfig
-from stages.serve.fake_artifact import FakeIdentity, domain_artifact
-from stages.serve.fake_worker import FakeBehavior, create_fake_worker, domain_signature
 from stages.serve.payloads import decode_body, prefill_body
+from stages.signature.dataset import ModelIdentity
+
+try:
+    # The fake workers are the tests' doubles, importable when the repo root is on sys.path.
+    from tests.fakes.artifact import domain_artifact
+    from tests.fakes.worker import FakeBehavior, create_fake_worker, domain_signature
+except ModuleNotFoundError as exc:
+    if exc.name != "tests":
+        raise
+    raise SystemExit(
+        f"{exc}: run from the repo root as `python -m examples.bench_proxy_overhead`"
+    ) from exc
 
 K = 16
 SHAPE = (48, 128)
@@ -68,7 +78,7 @@ def serve_fake(ports: list[int]) -> None:
 
 
 def bench_artifact(root: Path, version: str):
-    return domain_artifact(K, FakeIdentity(num_layers=SHAPE[0], num_experts=SHAPE[1]), version)
+    return domain_artifact(K, ModelIdentity("bench-moe", *SHAPE, top_k=8), version)
 
 
 def serve_proxy(config: ProxyConfig, port: int) -> None:

@@ -1,10 +1,11 @@
 """Routing decision time: signature transform + ELDR choose, per request, in microseconds.
 
-Synthetic Qwen3-30B-A3B-shaped signatures (48 layers x 128 experts, top-8 over a few hundred
-prompt tokens, 16 topic mixtures) go through the real ``SignatureTransform`` and
-``EldrPolicy`` exactly as the proxy calls them. The paper reports 0.15 ms for routing; the goal
-here is p99 <= 50 us for transform + choose. Wire decoding (base64 int16 from
-``kv_transfer_params``) is timed separately because it happens once per request too.
+Synthetic Qwen3-30B-A3B-shaped signatures (``stages.bench.synthetic``: 48 layers x 128
+experts, top-8 over a few hundred prompt tokens, one domain per decode worker) go through the
+real ``SignatureTransform`` and ``EldrPolicy`` exactly as the proxy calls them. The paper
+reports 0.15 ms for routing; the goal here is p99 <= 50 us for transform + choose. Wire
+decoding (base64 int16 from ``kv_transfer_params``) is timed separately because it happens once
+per request too.
 
     python examples/bench_routing.py [--k 16] [--layers 48] [--experts 128] [--requests 20000]
 """
@@ -17,23 +18,10 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
 from stages.serve.policies import RoutingRequest, make_policy
 from stages.signature import wire
-from stages.signature.transform import SignatureTransform
-
-
-def synthetic_signatures(
-    n: int, layers: int, experts: int, topics: int, top_k: int, rng: np.random.Generator
-) -> np.ndarray:
-    """int32 ``[n, L, E]``: each request draws its tokens' picks from one topic's mixture."""
-    mixtures = rng.dirichlet(np.full(experts, 0.3), size=(topics, layers))
-    tokens = rng.integers(32, 512, size=n)
-    topic = rng.integers(topics, size=n)
-    out = np.empty((n, layers, experts), np.int32)
-    for i in range(n):
-        for layer in range(layers):
-            out[i, layer] = rng.multinomial(tokens[i] * top_k, mixtures[topic[i], layer])
-    return out
+from stages.signature.transform import SignatureTransform, fit_idf
 
 
 def percentiles(us: np.ndarray) -> str:
@@ -56,8 +44,17 @@ def main() -> None:
     threadpool_limits(1, user_api="blas")  # as run_proxy does
     rng = np.random.default_rng(args.seed)
     distinct = 512  # signatures generated; requests cycle through them
-    sigs = synthetic_signatures(distinct, args.layers, args.experts, args.k, args.top_k, rng)
-    idf = np.log((distinct + 1) / (np.count_nonzero(sigs > 0, axis=0) + 1.0)).astype(np.float32)
+    spec = SyntheticSpec(
+        num_requests=distinct,
+        num_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        num_domains=args.k,
+        domain_experts=max(1, args.experts * 3 // 8),
+        seed=args.seed,
+    )
+    sigs = synthetic_signatures(spec).prefill_counts
+    idf = fit_idf(sigs)
     mask = np.zeros(args.layers, bool)
     mask[rng.permutation(args.layers)[: args.kept_layers or args.layers]] = True
     transform = SignatureTransform(idf=idf, layer_mask=mask)

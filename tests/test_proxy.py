@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -15,11 +16,11 @@ import pytest
 
 from stages.errors import EldrError
 from stages.serve.config import ProxyConfig
-from stages.serve.fake_artifact import domain_artifact
-from stages.serve.fake_worker import BackgroundServer, FakeBehavior, create_fake_worker
 from stages.serve.proxy import create_app
 from stages.serve.state import ProxyState
 from stages.signature import wire
+from tests.fakes.artifact import domain_artifact
+from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 
 K = 3
 
@@ -109,6 +110,19 @@ def env(cluster: Cluster) -> Iterator[Cluster]:
     yield cluster
     # Every test, whatever it did, must leave no request counted in flight.
     wait_until(lambda: cluster.inflight() == [0] * K)
+
+
+@contextlib.contextmanager
+def one_prefill_k_decode() -> Iterator[tuple[list[str], list[str], list[FakeBehavior]]]:
+    """Fake workers of their own (1 prefill, K decode): prefill urls, decode urls, decode fakes."""
+    p = FakeBehavior("p")
+    ds = [FakeBehavior(f"d{i}") for i in range(K)]
+    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in [p, *ds]]
+    try:
+        yield [servers[0].url], [s.url for s in servers[1:]], ds
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def handed_by(c: Cluster, rec) -> str:
@@ -274,6 +288,10 @@ def test_error_event_mid_stream(env: Cluster) -> None:
     assert events[3] == b"data: [DONE]"
     assert len(events) == 4
     assert env.metric("eldr_router_request_errors_total", kind="decode_stream_broken") == broken + 1
+    # A cut connection is the worker's failure (the health checker may already have re-admitted
+    # it, but the reason stays).
+    d1 = env.client.get("/admin/state").json()["decode_workers"][1]
+    assert "stream broke" in d1["last_error"]
 
 
 def test_all_decode_workers_failing_is_502(env: Cluster) -> None:
@@ -405,13 +423,10 @@ def test_online_refit_keeps_clusters_on_workers() -> None:
     def permuted_fit(samples: np.ndarray, k: int, seed: int) -> np.ndarray:
         return domain_artifact(K).centroids[order]
 
-    p = FakeBehavior("p")
-    ds = [FakeBehavior(f"d{i}") for i in range(K)]
-    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in [p, *ds]]
-    try:
+    with one_prefill_k_decode() as (prefill, decode, ds):
         config = fast_config(
-            [servers[0].url],
-            [s.url for s in servers[1:]],
+            prefill,
+            decode,
             policy="eldr",
             tau=0.0,
             artifact_store=Path("/a"),
@@ -434,37 +449,22 @@ def test_online_refit_keeps_clusters_on_workers() -> None:
                 client.post("/v1/completions", json={"prompt": f"domain={dom}"})
             assert [len(b.received) for b in ds] == [1, 1, 1]
             assert all(b.received[0].body["prompt"] == f"domain={i}" for i, b in enumerate(ds))
-    finally:
-        for s in servers:
-            s.stop()
 
 
 def test_real_artifact_store_end_to_end(tmp_path: Path) -> None:
     artifact_mod = pytest.importorskip("stages.fit.artifact")
-    from stages.signature.dataset import ModelIdentity
-
     fake = domain_artifact(K)
-    ident = ModelIdentity("fake-moe", fake.identity.num_layers, fake.identity.num_experts, 2)
     store = artifact_mod.ArtifactStore(tmp_path)
     version = store.save(
         centroids=fake.centroids,
         transform=fake.transform,
-        identity=ident,
+        identity=fake.identity,
         dataset_hash="test",
         params={"k": K},
         metrics={},
     )
-    p = FakeBehavior("p")
-    ds = [FakeBehavior(f"d{i}") for i in range(K)]
-    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in [p, *ds]]
-    try:
-        config = fast_config(
-            [servers[0].url],
-            [s.url for s in servers[1:]],
-            policy="eldr",
-            tau=0.0,
-            artifact_store=tmp_path,
-        )
+    with one_prefill_k_decode() as (prefill, decode, _):
+        config = fast_config(prefill, decode, policy="eldr", tau=0.0, artifact_store=tmp_path)
         app = create_app(config)  # the default loader: the fit stage's ArtifactStore
         with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url) as client:
             assert client.get("/admin/state").json()["artifact_version"] == version
@@ -474,6 +474,3 @@ def test_real_artifact_store_end_to_end(tmp_path: Path) -> None:
             r = client.post("/admin/artifact", json={"version": version})
             assert r.status_code == 200
             assert client.post("/admin/artifact", json={"version": "0" * 12}).status_code == 400
-    finally:
-        for s in servers:
-            s.stop()

@@ -10,13 +10,13 @@ import pytest
 from stages.errors import EldrError
 from stages.serve.config import ProxyConfig
 from stages.serve.decode_router import DecodeRouter
-from stages.serve.fake_artifact import domain_artifact
-from stages.serve.fake_worker import domain_signature
 from stages.serve.payloads import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
 from stages.serve.prefill_router import PrefillRouter
 from stages.serve.sse import IncompleteEvent, is_done, whole_events
 from stages.serve.workers import WorkerPool
 from stages.signature import wire
+from tests.fakes.artifact import domain_artifact
+from tests.fakes.worker import domain_signature
 
 URLS = [f"http://p{i}:8000" for i in range(4)]
 

@@ -28,7 +28,8 @@ class CaptureConfig:
     max_tokens: int = 32
     batch_size: int = 64
     max_model_len: int = 1024
-    max_num_seqs: int = 8
+    # Capture is offline batch work: wide decode batches keep the CPU busy.
+    max_num_seqs: int = 32
     kv_cache_gib: int = 1
     seed: int = 0
 

@@ -7,11 +7,13 @@ import uuid
 from time import perf_counter
 from typing import Any
 
+import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from stages.serve.decode_leg import run_decode
 from stages.serve.disconnect import unless_client_leaves
+from stages.serve.payloads import prefill_body, prompt_key
 from stages.serve.prefill_leg import run_prefill
 from stages.serve.request_body import read_json_object
 from stages.serve.responses import ProxyError, UpstreamClientError, json_error
@@ -85,7 +87,10 @@ async def _serve(
     headers: dict[str, str],
     reply_headers: dict[str, str],
 ) -> Response:
-    kv = await run_prefill(state, path, body, chat, headers)
+    # Made once: a decode retry runs the same prefill again.
+    prefill_payload = orjson.dumps(prefill_body(body, chat))
+    key = prompt_key(body, chat)
+    kv = await run_prefill(state, path, prefill_payload, key, headers)
     t0 = perf_counter()
     features = state.router.features(kv)
     feature_seconds = perf_counter() - t0
@@ -100,7 +105,7 @@ async def _serve(
         nonlocal refreshes
         refreshes += 1
         retry_headers = {**headers, "X-Request-Id": f"{headers['X-Request-Id']}-retry{refreshes}"}
-        return await run_prefill(state, path, body, chat, retry_headers)
+        return await run_prefill(state, path, prefill_payload, key, retry_headers)
 
     return await run_decode(
         state, path, body, kv, refresh, features, feature_seconds, headers, reply_headers

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 import orjson
 from starlette.responses import Response
 
@@ -31,13 +31,12 @@ from stages.serve.payloads import decode_body
 from stages.serve.responses import ProxyError, RelayResponse, UpstreamClientError
 from stages.serve.sse import DONE_EVENT, IncompleteEvent, error_event, is_done, whole_events
 from stages.serve.state import ProxyState
+from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 from stages.serve.workers import Lease
 
 log = logging.getLogger(__name__)
 
-_STREAM_ERRORS = (httpx.HTTPError, IncompleteEvent)
-# Raised before the request left the proxy: the worker never saw it.
-_NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_STREAM_ERRORS = (*UPSTREAM_ERRORS, IncompleteEvent)
 
 KvTransferParams = dict[str, Any] | None
 Refresh = Callable[[], Awaitable[KvTransferParams]]
@@ -110,40 +109,34 @@ async def _attempt(
     reply_headers: dict[str, str],
 ) -> Response | Failure:
     """A response for the client, or why this worker failed (then nothing was sent)."""
-    client = state.client
-    upstream: httpx.Response | None = None
+    upstream: aiohttp.ClientResponse | None = None
     events: AsyncIterator[bytes] | None = None
     handed_off = False
     try:
-        request = client.build_request(
-            "POST",
-            lease.url + path,
-            content=payload,
-            headers=headers,
-            timeout=state.decode_timeout(),
-        )
         try:
-            upstream = await client.send(request, stream=True)
-            if upstream.status_code >= 500:
-                text = (await upstream.aread())[:500].decode(errors="replace")
-                return Failure(f"answered {upstream.status_code}: {text}", delivered=True)
-            if upstream.status_code >= 400:
+            upstream = await state.session.post(
+                lease.url + path, data=payload, headers=headers, timeout=state.decode_timeout
+            )
+            if upstream.status >= 500:
+                text = (await upstream.read())[:500].decode(errors="replace")
+                return Failure(f"answered {upstream.status}: {text}", delivered=True)
+            if upstream.status >= 400:
                 raise UpstreamClientError(
-                    upstream.status_code,
-                    await upstream.aread(),
-                    upstream.headers.get("content-type"),
+                    upstream.status,
+                    await upstream.read(),
+                    upstream.headers.get("Content-Type"),
                 )
-            content_type = upstream.headers.get("content-type", "application/json")
+            content_type = upstream.headers.get("Content-Type", "application/json")
             if not stream:
-                content = await upstream.aread()
+                content = await upstream.read()
                 return Response(
-                    content, upstream.status_code, media_type=content_type, headers=reply_headers
+                    content, upstream.status, media_type=content_type, headers=reply_headers
                 )
-            events = whole_events(upstream.aiter_raw())
+            events = whole_events(upstream.content.iter_any())
             first = await anext(events)
         except StopAsyncIteration:
             return Failure("stream ended before its first event", delivered=True)
-        except _NOT_DELIVERED as exc:
+        except NOT_DELIVERED as exc:
             return Failure(f"request failed: {exc!r}", delivered=False)
         except _STREAM_ERRORS as exc:
             return Failure(f"request failed: {exc!r}", delivered=True)
@@ -167,16 +160,17 @@ async def _attempt(
 
 
 def _closer(
-    upstream: httpx.Response | None, events: AsyncIterator[bytes] | None, lease: Lease
+    upstream: aiohttp.ClientResponse | None, events: AsyncIterator[bytes] | None, lease: Lease
 ) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         try:
             if events is not None:
                 await events.aclose()  # type: ignore[attr-defined]
             if upstream is not None:
-                # Closing the connection is how vLLM learns the client left: it aborts the
-                # request and frees its KV blocks.
-                await upstream.aclose()
+                # A body read to its end frees the connection for reuse; one cut short closes
+                # it, which is how vLLM learns the client left: it aborts the request and frees
+                # its KV blocks.
+                upstream.release()
         finally:
             lease.release()
 
@@ -187,7 +181,7 @@ def _on_broken(state: ProxyState, lease: Lease) -> Callable[[BaseException | str
     def report(cause: BaseException | str) -> None:
         state.metrics.request_errors.labels("decode_stream_broken").inc()
         log.warning("decode stream from %s broke mid-way: %r", lease.url, cause)
-        if isinstance(cause, httpx.TransportError):
+        if isinstance(cause, UPSTREAM_ERRORS):
             state.decode.mark_unhealthy(lease.index, f"stream broke: {cause!r}")
 
     return report

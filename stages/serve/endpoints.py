@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
 from stages.serve.responses import json_error, json_response
 from stages.serve.state import ProxyState
+from stages.serve.upstream import UPSTREAM_ERRORS
 
 
 async def models(request: Request) -> Response:
@@ -19,14 +19,15 @@ async def models(request: Request) -> Response:
             continue
         url = state.prefill.urls[i]
         try:
-            resp = await state.client.get(url + "/v1/models", timeout=state.prefill_timeout())
-        except httpx.HTTPError as exc:
+            async with state.session.get(url + "/v1/models", timeout=state.prefill_timeout) as resp:
+                content = await resp.read()
+        except UPSTREAM_ERRORS as exc:
             failures.append(f"{url}: {exc!r}")
             continue
         return Response(
-            resp.content,
-            status_code=resp.status_code,
-            media_type=resp.headers.get("content-type", "application/json"),
+            content,
+            status_code=resp.status,
+            media_type=resp.headers.get("Content-Type", "application/json"),
         )
     return json_error(
         502, "no prefill worker answered /v1/models: " + "; ".join(failures), "prefill_failed"

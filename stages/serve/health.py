@@ -5,30 +5,38 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
+import aiohttp
 
+from stages.serve.upstream import UPSTREAM_ERRORS
 from stages.serve.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 
-async def probe(client: httpx.AsyncClient, pool: WorkerPool, index: int, timeout: float) -> None:
+async def probe(
+    session: aiohttp.ClientSession, pool: WorkerPool, index: int, timeout: aiohttp.ClientTimeout
+) -> None:
     url = pool.urls[index]
     try:
-        resp = await client.get(url + "/health", timeout=timeout)
-    except httpx.HTTPError as exc:
+        async with session.get(url + "/health", timeout=timeout) as resp:
+            await resp.read()  # read to the end so the connection can be reused
+            status = resp.status
+    except UPSTREAM_ERRORS as exc:
         log.debug("%s worker %s still down: %r", pool.role, url, exc)
         return
-    if resp.status_code == 200:
+    if status == 200:
         pool.mark_healthy(index)
 
 
 async def health_loop(
-    client: httpx.AsyncClient, pools: list[WorkerPool], interval_s: float, timeout_s: float
+    session: aiohttp.ClientSession,
+    pools: list[WorkerPool],
+    interval_s: float,
+    timeout: aiohttp.ClientTimeout,
 ) -> None:
     while True:
         await asyncio.sleep(interval_s)
         # Probes run concurrently so one hanging worker cannot delay another's return.
         await asyncio.gather(
-            *(probe(client, pool, i, timeout_s) for pool in pools for i in pool.unhealthy_indices())
+            *(probe(session, pool, i, timeout) for pool in pools for i in pool.unhealthy_indices())
         )

@@ -88,8 +88,9 @@ class Cluster:
         self.spec = spec
         self.servers: list[VllmServer] = []
 
-    def start(self, on_ready: Callable[[VllmServer], None] | None = None,
-              timeout_s: float = 600.0) -> None:
+    def start(
+        self, on_ready: Callable[[VllmServer], None] | None = None, timeout_s: float = 600.0
+    ) -> None:
         for server_spec in worker_specs(self.spec):
             self.servers.append(VllmServer(server_spec, self.spec.log_dir))
         pending = list(self.servers)

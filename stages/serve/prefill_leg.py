@@ -4,25 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import orjson
 
-from stages.serve.payloads import prefill_body, prompt_key
 from stages.serve.responses import ProxyError, UpstreamClientError
 from stages.serve.state import ProxyState
+from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 
 
 async def run_prefill(
-    state: ProxyState, path: str, body: dict[str, Any], chat: bool, headers: dict[str, str]
+    state: ProxyState, path: str, payload: bytes, key: bytes, headers: dict[str, str]
 ) -> dict[str, Any] | None:
     """The prefill response's ``kv_transfer_params`` (None if it sent none).
 
+    ``payload`` is the serialised prefill body, ``key`` the prompt's prefix-routing key; the
+    caller makes both once per client request, since a decode retry runs the prefill again.
     A worker that refuses connections cannot have started the request, so the next one is
     tried; any other failure is a 502 because the prompt may already hold KV blocks there.
     """
     pool, metrics = state.prefill, state.metrics
-    payload = orjson.dumps(prefill_body(body, chat))
-    key = prompt_key(body, chat)
     tried: list[int] = []
     for attempt in range(state.config.max_attempts):
         eligible = pool.eligible(exclude=tried)
@@ -34,31 +33,31 @@ async def run_prefill(
         url = pool.urls[worker]
         lease = pool.acquire(worker)
         try:
-            resp = await state.client.post(
-                url + path, content=payload, headers=headers, timeout=state.prefill_timeout()
-            )
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            async with state.session.post(
+                url + path, data=payload, headers=headers, timeout=state.prefill_timeout
+            ) as resp:
+                status = resp.status
+                content = await resp.read()
+                content_type = resp.headers.get("Content-Type")
+        except NOT_DELIVERED as exc:
             pool.mark_unhealthy(worker, f"connect failed: {exc!r}")
             tried.append(worker)
             continue
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             raise ProxyError(
                 502, f"prefill worker {url} failed: {exc!r}", "prefill_failed"
             ) from exc
         finally:
             lease.release()
-        if resp.status_code >= 500:
+        if status >= 500:
+            text = content[:500].decode(errors="replace")
             raise ProxyError(
-                502,
-                f"prefill worker {url} answered {resp.status_code}: {resp.text[:500]}",
-                "prefill_failed",
+                502, f"prefill worker {url} answered {status}: {text}", "prefill_failed"
             )
-        if resp.status_code >= 400:
-            raise UpstreamClientError(
-                resp.status_code, resp.content, resp.headers.get("content-type")
-            )
+        if status >= 400:
+            raise UpstreamClientError(status, content, content_type)
         try:
-            data = orjson.loads(resp.content)
+            data = orjson.loads(content)
         except orjson.JSONDecodeError as exc:
             raise ProxyError(
                 502, f"prefill worker {url} answered invalid JSON: {exc}", "prefill_failed"

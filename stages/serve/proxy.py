@@ -1,7 +1,7 @@
 """The ELDR PD proxy: a Starlette app that prefills, routes by expert locality, and decodes.
 
 ``create_app(config)`` builds it; ``run_proxy(config, host, port)`` serves it with uvicorn.
-All mutable state lives in one ``ProxyState`` on ``app.state.proxy``; the HTTP client and
+All mutable state lives in one ``ProxyState`` on ``app.state.proxy``; the HTTP session and
 background loops live exactly as long as the app's lifespan.
 """
 
@@ -12,7 +12,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -26,6 +25,7 @@ from stages.serve.health import health_loop
 from stages.serve.online_refit import FitFn, balanced_fit
 from stages.serve.refit_task import refit_loop
 from stages.serve.state import ProxyState, build_state
+from stages.serve.upstream import open_session
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,16 @@ def _report_crash(task: asyncio.Task[None]) -> None:
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     state: ProxyState = app.state.proxy
     c = state.config
-    limits = httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=256)
-    timeout = httpx.Timeout(c.decode_timeout_s, connect=c.connect_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        state._client = client
+    async with open_session(c) as session:
+        state._session = session
         loops = [
             (
                 "eldr-health",
                 health_loop(
-                    client, [state.prefill, state.decode], c.health_interval_s, c.health_timeout_s
+                    session,
+                    [state.prefill, state.decode],
+                    c.health_interval_s,
+                    state.health_timeout,
                 ),
             )
         ]
@@ -67,7 +68,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                 task.cancel()
             # Crashes were logged by _report_crash; here we only wait for the cancellations.
             await asyncio.gather(*tasks, return_exceptions=True)
-            state._client = None
+            state._session = None
 
 
 def create_app(

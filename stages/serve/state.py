@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from stages.errors import EldrError
 from stages.serve.artifact_source import ArtifactLoader, load_from_store
@@ -14,6 +14,7 @@ from stages.serve.decode_router import DecodeRouter
 from stages.serve.metrics import ProxyMetrics
 from stages.serve.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.prefill_router import PrefillRouter
+from stages.serve.upstream import leg_timeout
 from stages.serve.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -28,21 +29,23 @@ class ProxyState:
     router: DecodeRouter
     metrics: ProxyMetrics
     artifact_loader: ArtifactLoader
-    _client: httpx.AsyncClient | None = field(default=None, repr=False)
+    # Built once from the config: the per-request path only passes them along.
+    prefill_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
+    decode_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
+    health_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
+    _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.prefill_timeout = leg_timeout(c.prefill_timeout_s, c.connect_timeout_s)
+        self.decode_timeout = leg_timeout(c.decode_timeout_s, c.connect_timeout_s)
+        self.health_timeout = leg_timeout(c.health_timeout_s, c.health_timeout_s)
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("the proxy's HTTP client exists only while the app is running")
-        return self._client
-
-    def decode_timeout(self) -> httpx.Timeout:
-        c = self.config
-        return httpx.Timeout(c.decode_timeout_s, connect=c.connect_timeout_s)
-
-    def prefill_timeout(self) -> httpx.Timeout:
-        c = self.config
-        return httpx.Timeout(c.prefill_timeout_s, connect=c.connect_timeout_s)
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the proxy's HTTP session exists only while the app is running")
+        return self._session
 
 
 def build_state(

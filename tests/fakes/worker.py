@@ -37,9 +37,12 @@ def prompt_text(body: dict[str, Any]) -> str:
     return str(body.get("prompt", ""))
 
 
-def domain_signature(
-    body: dict[str, Any], shape: tuple[int, int] = SIGNATURE_SHAPE
-) -> np.ndarray | None:
+def domain_prompt(domain: int) -> dict[str, Any]:
+    """A completion body whose signature ``domain_signature`` peaks on ``domain``."""
+    return {"prompt": f"domain={domain}"}
+
+
+def domain_signature(body: dict[str, Any], shape: tuple[int, int] = SIGNATURE_SHAPE) -> np.ndarray:
     """Counts peaked on expert ``N % E`` in every layer for prompts containing ``domain=N``.
 
     Gives tests a signature whose nearest centroid they know; prompts without a marker get an

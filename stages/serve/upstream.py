@@ -1,0 +1,53 @@
+"""The proxy's HTTP client to its workers: one pooled aiohttp session, its timeouts, its errors.
+
+aiohttp rather than httpx: every client request costs the proxy two upstream requests (prefill,
+then decode), and httpx's own CPU per request was most of the latency the proxy added.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from stages.serve.config import ProxyConfig
+
+# Raised before the request left the proxy (refused, unreachable, no connection in time): the
+# worker never saw it.
+NOT_DELIVERED: tuple[type[aiohttp.ClientError], ...] = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ConnectionTimeoutError,
+)
+# Every failure of a request or of reading its answer. The timeouts of ``leg_timeout`` raise
+# ``aiohttp.ServerTimeoutError`` (a ``ClientError``), but aiohttp lets a bare ``TimeoutError``
+# from the socket through in rare cases (aio-libs/aiohttp#9952), which is the same failure.
+UPSTREAM_ERRORS: tuple[type[Exception], ...] = (aiohttp.ClientError, TimeoutError)
+
+# Idle connections are closed before the workers' own keep-alive (uvicorn's and vLLM's default
+# is 5 s) can end them: aiohttp never resends a POST that went out on a connection the worker
+# was closing at that moment, so that race would fail a request.
+_KEEPALIVE_S = 4.0
+
+
+def leg_timeout(read_s: float, connect_s: float) -> aiohttp.ClientTimeout:
+    """``read_s`` bounds every wait for the worker's next bytes, ``connect_s`` opening a
+    connection, and waiting for a free pooled connection gets ``read_s`` on top (aiohttp's
+    ``connect`` covers the pool wait and the connect together). No total: a decode stream may
+    run as long as it keeps sending.
+    """
+    return aiohttp.ClientTimeout(
+        total=None, connect=read_s + connect_s, sock_connect=connect_s, sock_read=read_s
+    )
+
+
+def open_session(config: ProxyConfig) -> aiohttp.ClientSession:
+    """The session every upstream request of one proxy goes through (call inside its loop)."""
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=leg_timeout(config.decode_timeout_s, config.connect_timeout_s),
+        # Bytes are relayed as they come, never decompressed and re-compressed.
+        auto_decompress=False,
+        # Workers set no cookies, and one client's must never ride along on another's request.
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )

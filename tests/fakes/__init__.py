@@ -1,0 +1,1 @@
+"""Test doubles: fake vLLM workers and stand-in artifacts (never imported by the product)."""

@@ -1,0 +1,84 @@
+"""fit_artifact end to end on synthetic domain-structured signatures, and plot_fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages.errors import EldrError
+from stages.fit.artifact import ArtifactStore
+from stages.fit.pipeline import FitConfig, distinct_experts_per_layer, fit_artifact, plot_fit
+from stages.signature.dataset import ModelIdentity
+
+IDENTITY = ModelIdentity(name="tiny-moe", num_layers=6, num_experts=16, top_k=2)
+
+
+def domain_counts(seed: int, n: int = 320, domains: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Each domain prefers a few experts per layer, in prefill and decode alike."""
+    rng = np.random.default_rng(seed)
+    domain = rng.integers(0, domains, n)
+    profiles = rng.dirichlet(np.full(16, 0.15), size=(domains, 6))
+    prefill = rng.multinomial(rng.integers(10, 40, n)[:, None] * 2, profiles[domain])
+    decode = rng.multinomial(np.full((n, 1), 16), profiles[domain])
+    return prefill.astype(np.int32), decode.astype(np.int32)
+
+
+def test_fit_artifact_end_to_end(tmp_path: Path) -> None:
+    prefill, decode = domain_counts(seed=0)
+    store = ArtifactStore(tmp_path / "artifacts")
+    messages: list[str] = []
+    config = FitConfig(k=4, seed=1, num_pairs=5000)
+    artifact = fit_artifact(prefill, decode, IDENTITY, "d" * 64, config, store, messages.append)
+    assert messages and store.load().version == artifact.version
+    assert artifact.centroids.shape == (4, artifact.transform.dim)
+    m = artifact.metrics
+    sizes = m["cluster_sizes"]
+    assert sum(sizes) == artifact.params["num_train"] == 256 and max(sizes) - min(sizes) <= 1
+    assert 0 < m["mean_within_cluster_cosine"] <= 1
+    assert len(m["rho_trace"]) == int(artifact.transform.layer_mask.sum()) == len(m["layers"])
+    held = m["holdout"]
+    assert held["num_requests"] == 64 and held["batch_size"] == 8
+    # Routing same-domain requests together must shrink the experts a decode batch touches.
+    assert (
+        held["same_cluster_distinct_experts_per_layer"] < held["random_distinct_experts_per_layer"]
+    )
+    assert held["distinct_experts_reduction"] > 0.1
+    # Same data, same config: same content, same version.
+    again = fit_artifact(prefill, decode, IDENTITY, "d" * 64, config, store)
+    assert again.version == artifact.version
+
+    png = plot_fit(artifact, tmp_path / "fit.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plain_kmeans_and_no_holdout(tmp_path: Path) -> None:
+    prefill, decode = domain_counts(seed=1, n=120)
+    config = FitConfig(k=3, balanced=False, holdout_fraction=0.0, num_pairs=2000)
+    artifact = fit_artifact(prefill, decode, IDENTITY, "e" * 64, config, ArtifactStore(tmp_path))
+    assert artifact.params["balanced"] is False and artifact.params["num_holdout"] == 0
+    assert "note" in artifact.metrics["holdout"]
+    plot_fit(artifact, tmp_path / "plain.png")
+
+
+def test_refuses_bad_input(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    prefill, decode = domain_counts(seed=2, n=20)
+    with pytest.raises(EldrError, match="cannot make 20 clusters"):
+        fit_artifact(prefill, decode, IDENTITY, "f", FitConfig(k=20), store)
+    other = ModelIdentity(name="big", num_layers=48, num_experts=128, top_k=8)
+    with pytest.raises(EldrError, match="expected"):
+        fit_artifact(prefill, decode, other, "f", FitConfig(k=2), store)
+    with pytest.raises(EldrError, match="decode profiles"):
+        fit_artifact(prefill, np.zeros_like(decode), IDENTITY, "f", FitConfig(k=2), store)
+    with pytest.raises(EldrError, match="holdout"):
+        FitConfig(holdout_fraction=1.0)
+
+
+def test_distinct_experts_per_layer() -> None:
+    active = np.zeros((2, 2, 4), bool)
+    active[0, 0, [0, 1]] = True
+    active[1, 0, [1, 2]] = True
+    active[1, 1, 3] = True
+    assert distinct_experts_per_layer(active) == pytest.approx((3 + 1) / 2)
