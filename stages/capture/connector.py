@@ -64,7 +64,10 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._ledger = SignatureLedger(self._block_size, None, self._count_decode)
         else:
-            self._recorder = SignatureRecorder(kv_cache_config.num_blocks, self._block_size)
+            self._recorder = SignatureRecorder(
+                kv_cache_config.num_blocks, self._block_size,
+                vllm_config.scheduler_config.max_num_batched_tokens,
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:

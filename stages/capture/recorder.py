@@ -50,20 +50,27 @@ def current_slot_mapping() -> torch.Tensor | None:
 
 
 class SignatureRecorder:
-    """Owns the ``[num_blocks, L, E]`` table and turns a :class:`StepPlan` into a report."""
+    """Owns the ``[num_blocks, L, E]`` table and turns a :class:`StepPlan` into a report.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    Inside the forward pass each MoE layer only copies its ``topk_ids`` into a preallocated
+    ``[L, max_tokens, k]`` buffer (one small copy per layer, the kind of op a captured graph
+    can replay); all accounting happens once per step, batched over layers, after the forward.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_tokens: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.max_tokens = max_tokens
         self.num_layers = 0
         self.num_experts = 0
+        self.top_k = 0
         self.table: torch.Tensor | None = None
+        self._picks: torch.Tensor | None = None
+        self._num_tokens = 0
         self._plan: StepPlan | None = None
         self._step_started = 0.0
-        self._prepared = False
         trace_dir = os.environ.get("ELDR_TRACE_DIR")
         self._trace_dir = Path(trace_dir) if trace_dir else None
-        self._trace: list[torch.Tensor] = []
         self._trace_step = 0
 
     # -- set-up ----------------------------------------------------------------------------
@@ -79,6 +86,12 @@ class SignatureRecorder:
         self.table = torch.zeros(
             (self.num_blocks, self.num_layers, self.num_experts), dtype=torch.int16, device=device
         )
+        self._picks = torch.zeros(
+            (self.num_layers, self.max_tokens, self.top_k), dtype=torch.int64, device=device
+        )
+        self._layer_offsets = (
+            torch.arange(self.num_layers, device=device) * self.num_experts
+        ).view(-1, 1, 1)
         for index, (_, router) in enumerate(routers):
             router.set_capture_fn(partial(self._capture, index))
         return self.num_layers
@@ -86,106 +99,100 @@ class SignatureRecorder:
     # -- per step ---------------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
         self._plan = plan
-        self._prepared = False
+        self._num_tokens = 0
         self._step_started = time.perf_counter()
-        if plan.decode_only:
-            self._active = torch.zeros(self.num_layers, dtype=torch.int64)
 
-    def _prepare(self, num_tokens: int) -> bool:
-        """Once per step, at the first MoE layer: map tokens to table rows, reset new blocks."""
-        self._prepared = True
+    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if self._plan is None or self._picks is None:  # profiling and warm-up runs: no plan
+            return
+        n = min(topk_ids.shape[0], self.max_tokens)
+        self._picks[layer, :n].copy_(topk_ids[:n])
+        self._num_tokens = n
+
+    def end_step(self) -> StepReport | None:
+        plan, self._plan = self._plan, None
+        if plan is None or self.table is None or self._picks is None:
+            return None
+        n, self._num_tokens = self._num_tokens, 0
+        report = StepReport()
         slots = current_slot_mapping()
-        if slots is None or self.table is None:
-            self._valid = None
-            return False
-        slots = slots[:num_tokens].to(torch.int64)
+        if n and slots is not None:
+            self._account(plan, slots[:n].to(torch.int64), self._picks[:, :n], report)
+        for req_id, blocks in plan.snapshots.items():
+            rows = self.table[torch.tensor(blocks, dtype=torch.int64, device=self.table.device)]
+            report.signatures[req_id] = rows.sum(0, dtype=torch.int32).cpu().numpy()
+        if self._trace_dir is not None and n:
+            self._dump_trace(self._picks[:, :n])
+        if not (report.signatures or report.decode_counts or report.decode_steps):
+            return None
+        return report
+
+    def _account(
+        self, plan: StepPlan, slots: torch.Tensor, picks: torch.Tensor, report: StepReport
+    ) -> None:
+        """Add this step's picks into the table (and decode counts, decode-step stats)."""
+        assert self.table is not None
         keep = slots >= 0
-        plan = self._plan
-        assert plan is not None
         if plan.skip_slots:
             # Slots re-written with the same KV (a full prefix hit recomputes its last token
             # into a cached block): their picks are already in the row.
             skip = torch.tensor(plan.skip_slots, dtype=torch.int64, device=slots.device)
             keep &= ~torch.isin(slots, skip)
-        self._valid = torch.nonzero(keep).flatten()
-        slots = slots[self._valid]
+        valid = torch.nonzero(keep).flatten()
+        slots = slots[valid]
+        ids = picks[:, valid]  # [L, T, k]
         blocks = slots // self.block_size
         fresh = blocks[(slots % self.block_size) == 0]
         if fresh.numel():
             self.table[fresh] = 0
         per_block = self.num_layers * self.num_experts
-        self._row_base = (blocks * per_block).unsqueeze(1)
-        self._decode_rows = None
-        if plan.decode_slots:
-            owners = [(slot, row) for row, req_slots in enumerate(plan.decode_slots.values())
-                      for slot in req_slots]
-            owners.sort()
-            tracked = torch.tensor([s for s, _ in owners], dtype=torch.int64, device=slots.device)
-            rows = torch.tensor([r for _, r in owners], dtype=torch.int64, device=slots.device)
-            pos = torch.searchsorted(tracked, slots).clamp(max=len(owners) - 1)
-            hit = tracked[pos] == slots
-            self._decode_tokens = torch.nonzero(hit).flatten()
-            self._decode_rows = (rows[pos[hit]] * per_block).unsqueeze(1)
-            self._decode_acc = torch.zeros(
-                len(plan.decode_slots) * per_block, dtype=torch.int32, device=slots.device
-            )
-        return True
-
-    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        if self._plan is None:  # profiling and warm-up runs carry no plan
-            return
-        if not self._prepared and not self._prepare(topk_ids.shape[0]):
-            return
-        if self._valid is None:
-            return
-        ids = topk_ids[self._valid].to(torch.int64)
-        offset = layer * self.num_experts
-        assert self.table is not None
-        flat = (self._row_base + offset + ids).flatten()
+        flat = (blocks.view(1, -1, 1) * per_block + self._layer_offsets + ids).flatten()
         self.table.view(-1).index_add_(
             0, flat, torch.ones(flat.numel(), dtype=self.table.dtype, device=flat.device)
         )
-        if self._decode_rows is not None and self._decode_tokens.numel():
-            dec = (self._decode_rows + offset + ids[self._decode_tokens]).flatten()
-            self._decode_acc.index_add_(
-                0, dec, torch.ones(dec.numel(), dtype=torch.int32, device=dec.device)
+        if plan.decode_slots:
+            self._attribute_decode(plan, slots, ids, report)
+        if plan.decode_only and ids.shape[1]:
+            present = torch.zeros(
+                (self.num_layers, self.num_experts), dtype=torch.bool, device=ids.device
             )
-        if self._plan.decode_only:
-            present = torch.bincount(ids.flatten(), minlength=self.num_experts) > 0
-            self._active[layer] += int(present.sum())
-        if self._trace_dir is not None:
-            self._trace.append(ids.cpu())
-
-    def end_step(self) -> StepReport | None:
-        plan, self._plan = self._plan, None
-        if plan is None or self.table is None:
-            return None
-        report = StepReport()
-        for req_id, blocks in plan.snapshots.items():
-            rows = self.table[torch.tensor(blocks, dtype=torch.int64, device=self.table.device)]
-            report.signatures[req_id] = rows.sum(0, dtype=torch.int32).cpu().numpy()
-        if plan.decode_slots and self._prepared and self._decode_rows is not None:
-            acc = self._decode_acc.view(-1, self.num_layers, self.num_experts).cpu().numpy()
-            for row, req_id in enumerate(plan.decode_slots):
-                report.decode_counts[req_id] = acc[row]
-        if plan.decode_only and self._prepared:
+            present.scatter_(1, ids.reshape(self.num_layers, -1), True)
             if self.table.is_cuda:
                 torch.cuda.synchronize()
             report.decode_steps = 1
-            report.active_experts = self._active.numpy()
+            report.active_experts = present.sum(1).cpu().numpy()
             report.decode_seconds = time.perf_counter() - self._step_started
-            report.decode_tokens = int(self._valid.numel()) if self._valid is not None else 0
-        if self._trace_dir is not None and self._trace:
-            self._dump_trace()
-        if not (report.signatures or report.decode_counts or report.decode_steps):
-            return None
-        return report
+            report.decode_tokens = int(ids.shape[1])
 
-    def _dump_trace(self) -> None:
+    def _attribute_decode(
+        self, plan: StepPlan, slots: torch.Tensor, ids: torch.Tensor, report: StepReport
+    ) -> None:
+        """Per-request decode counts: tokens matched to requests by their KV slot."""
+        owners = sorted(
+            (slot, row)
+            for row, req_slots in enumerate(plan.decode_slots.values())
+            for slot in req_slots
+        )
+        tracked = torch.tensor([s for s, _ in owners], dtype=torch.int64, device=slots.device)
+        rows = torch.tensor([r for _, r in owners], dtype=torch.int64, device=slots.device)
+        pos = torch.searchsorted(tracked, slots).clamp(max=len(owners) - 1)
+        hit = tracked[pos] == slots
+        tokens = torch.nonzero(hit).flatten()
+        per_req = self.num_layers * self.num_experts
+        flat = (rows[pos[hit]].view(1, -1, 1) * per_req + self._layer_offsets
+                + ids[:, tokens]).flatten()
+        counts = torch.zeros(len(plan.decode_slots) * per_req, dtype=torch.int32,
+                             device=slots.device)
+        counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.int32,
+                                              device=flat.device))
+        table = counts.view(-1, self.num_layers, self.num_experts).cpu().numpy()
+        for row, req_id in enumerate(plan.decode_slots):
+            report.decode_counts[req_id] = table[row]
+
+    def _dump_trace(self, picks: torch.Tensor) -> None:
         """Debug aid for tests: this step's picks as ``[layers, tokens, top_k]``."""
         assert self._trace_dir is not None
         self._trace_dir.mkdir(parents=True, exist_ok=True)
-        picks = torch.stack(self._trace).numpy().astype(np.int16)
-        np.save(self._trace_dir / f"step-{os.getpid()}-{self._trace_step:06d}.npy", picks)
+        path = self._trace_dir / f"step-{os.getpid()}-{self._trace_step:06d}.npy"
+        np.save(path, picks.cpu().numpy().astype(np.int16))
         self._trace_step += 1
-        self._trace = []
