@@ -34,10 +34,10 @@ def capture(
 ) -> None:
     """Run prompts through vLLM with eldr's plugin and store each request's prefill signature
     and decode-time expert counts. Re-running resumes: stored ids are skipped."""
-    from stages.bench.prompts import load_prompts
     from stages.capture.runner import CaptureConfig
     from stages.capture.runner import capture as run_capture
     from stages.models import resolve_model
+    from stages.prompts import load_prompts
 
     items = load_prompts(prompts or paths.CALIBRATION_PROMPTS)
     resolved = resolve_model(model)

@@ -15,9 +15,9 @@ import os
 import statistics
 import time
 
-from stages.bench.prompts import load_prompts
 from stages.models import resolve_model
 from stages.paths import EVALUATION_PROMPTS
+from stages.prompts import load_prompts
 
 
 def main() -> None:

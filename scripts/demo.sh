@@ -30,3 +30,13 @@ curl -sf http://127.0.0.1:8000/health >/dev/null || { echo "proxy not ready" >&2
 $ELDR bench --url http://127.0.0.1:8000 --policies eldr,rr,jsq,random,p2c \
   --num-prompts "${DEMO_PROMPTS:-96}" --request-rate "${DEMO_RATE:-3}" \
   --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
+
+# The curve behind it all: decode step time against distinct experts on these workers, fitted
+# into the simulator's cost model; then an 8P16D cluster simulated with it and a GPU-like one.
+$ELDR bench --engine-cost --url http://127.0.0.1:8000
+kill -TERM $SERVE_PID; wait $SERVE_PID 2>/dev/null || true
+trap - EXIT
+$ELDR fit --k 16 --balanced
+$ELDR bench --simulate --prefill 8 --decode 16 --request-rate 20,60,100 --duration 120 \
+  --cost "$ELDR_HOME/results/cost-model.json"
+$ELDR bench --simulate --prefill 8 --decode 16 --request-rate 20,60,100 --duration 120 --cost gpu

@@ -7,8 +7,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from stages.bench.prompts import load_prompts, sample_prompts
 from stages.errors import EldrError
+from stages.prompts import load_prompts, sample_prompts
 
 
 def _write(path: Path, lines: list[str]) -> Path:

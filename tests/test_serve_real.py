@@ -160,8 +160,8 @@ def test_decode_workers_load_kv_from_prefill(deployment: Deployment) -> None:
 
 def test_prefill_signature_equals_captured_signature(deployment: Deployment) -> None:
     arrays = SignatureDataset.open(deployment.dataset).read()
-    from stages.bench.prompts import load_prompts
     from stages.paths import CALIBRATION_PROMPTS
+    from stages.prompts import load_prompts
 
     prompt = load_prompts(CALIBRATION_PROMPTS)[0]
     row = int(np.flatnonzero(arrays.ids == prompt.id)[0])

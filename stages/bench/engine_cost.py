@@ -35,13 +35,13 @@ from stages.bench.cost_model import (
     fit_quality,
 )
 from stages.bench.metrics import RequestRecord
-from stages.bench.prompts import Prompt, load_prompts
 from stages.bench.worker_metrics import (
     DecodeCounters,
     counter_delta,
     scrape_decode_counters,
 )
 from stages.errors import EldrError
+from stages.prompts import Prompt, load_prompts
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ from stages.bench.admin import ProxyAdmin, decode_worker_urls
 from stages.bench.arrivals import poisson_arrivals
 from stages.bench.client import CompletionSettings, stream_completion
 from stages.bench.metrics import RequestRecord, RequestTable, summarize
-from stages.bench.prompts import Prompt, load_prompts, sample_prompts
 from stages.bench.results import ComparisonResult, PolicyResult, rate_label, save_comparison
 from stages.bench.worker_metrics import (
     ExpertStats,
@@ -38,6 +37,7 @@ from stages.bench.worker_metrics import (
     scrape_decode_counters,
 )
 from stages.errors import EldrError
+from stages.prompts import Prompt, load_prompts, sample_prompts
 
 log = logging.getLogger(__name__)
 

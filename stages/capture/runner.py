@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from stages.bench.prompts import Prompt
 from stages.errors import EldrError
 from stages.models import ResolvedModel
+from stages.prompts import Prompt
 from stages.signature import wire
 from stages.signature.dataset import CaptureRecord, SignatureDataset, prompt_digest
 
