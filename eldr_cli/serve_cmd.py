@@ -88,8 +88,12 @@ def serve(
         # handler turns that into KeyboardInterrupt so the workers below are still stopped.
         run_proxy(config, host=host, port=port, log_level="warning")
     finally:
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _check_artifact(store: Path, version: str, identity: object, num_decode: int) -> None:

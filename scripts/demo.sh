@@ -19,7 +19,9 @@ $ELDR fit --k 2 --balanced
 
 $ELDR serve --model tiny-wide --prefill 1 --decode 2 --port 8000 &
 SERVE_PID=$!
-trap 'kill -TERM $SERVE_PID 2>/dev/null; wait $SERVE_PID 2>/dev/null || true' EXIT
+stop_serve() { kill -TERM "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null || true; }
+trap stop_serve EXIT
+trap 'exit 130' INT TERM
 for _ in $(seq 600); do
   curl -sf http://127.0.0.1:8000/health >/dev/null 2>&1 && break
   kill -0 $SERVE_PID 2>/dev/null || { echo "eldr serve exited" >&2; exit 1; }
@@ -28,13 +30,13 @@ done
 curl -sf http://127.0.0.1:8000/health >/dev/null || { echo "proxy not ready" >&2; exit 1; }
 
 $ELDR bench --url http://127.0.0.1:8000 --policies eldr,rr,jsq,random,p2c \
-  --num-prompts "${DEMO_PROMPTS:-96}" --request-rate "${DEMO_RATE:-3}" \
+  --num-prompts "${DEMO_PROMPTS:-60}" --request-rate "${DEMO_RATE:-0.6}" \
   --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
 
 # The curve behind it all: decode step time against distinct experts on these workers, fitted
 # into the simulator's cost model; then an 8P16D cluster simulated with it and a GPU-like one.
 $ELDR bench --engine-cost --url http://127.0.0.1:8000
-kill -TERM $SERVE_PID; wait $SERVE_PID 2>/dev/null || true
+stop_serve
 trap - EXIT
 $ELDR fit --k 16 --balanced
 $ELDR bench --simulate --prefill 8 --decode 16 --request-rate 20,60,100 --duration 120 \

@@ -162,20 +162,27 @@ class VllmServer:
             f" see {self.log_path}:\n{tail(self.log_path)}"
         )
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def terminate(self) -> None:
+        """Ask the server's whole process group to exit (returns at once)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Terminate, wait up to ``grace_s``, then kill the process group."""
+        self.terminate()
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # The engine core and workers may outlive the API server: kill the group regardless.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self._log.close()
 
 

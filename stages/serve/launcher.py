@@ -117,6 +117,9 @@ class Cluster:
         return [s.url for s in self.servers if s.spec.role == "decode"]
 
     def stop(self) -> None:
+        """Signal every worker first, then wait: all shut down in parallel."""
+        for server in self.servers:
+            server.terminate()
         for server in self.servers:
             server.stop()
 
