@@ -112,7 +112,11 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
-    env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores or "nobind"
+    # Cores are pinned from outside (see VllmServer) and vLLM is told not to re-bind: its own
+    # binding of a single-core list did not keep the worker on that core here.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    if spec.cpu_cores:
+        env["OMP_NUM_THREADS"] = str(len(parse_cores(spec.cpu_cores)))
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -131,8 +135,11 @@ class VllmServer:
         self._log = self.log_path.open("wb")
         # A new session gives the server its own process group, so stop() reaches the engine
         # core and worker processes vLLM spawns too.
+        cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            # The affinity is inherited by the engine core and worker processes vLLM spawns.
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )
 
     @property
@@ -184,6 +191,15 @@ class VllmServer:
             pass
         self.proc.wait()
         self._log.close()
+
+
+def parse_cores(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.extend(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def tail(path: Path, lines: int = 25) -> str:
