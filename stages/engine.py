@@ -112,11 +112,9 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
 
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.kv_cache_gib))
-    # Cores are pinned from outside (see VllmServer) and vLLM is told not to re-bind: its own
-    # binding of a single-core list did not keep the worker on that core here.
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    if spec.cpu_cores:
-        env["OMP_NUM_THREADS"] = str(len(parse_cores(spec.cpu_cores)))
+    # vLLM pins one OpenMP thread per listed core; the affinity set on the process (see
+    # VllmServer) keeps the API server and engine core on the same cores.
+    env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores or "nobind"
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -49,6 +49,24 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+def restore_compute_affinity() -> None:
+    """Undo NixlConnector's re-pinning of the worker's main thread on CPU.
+
+    On CPU, vLLM's NixlConnector pins the thread that creates it to the last core of each NUMA
+    node "for KV transfer"; that thread is also OpenMP thread 0, which runs the model, so every
+    PD worker ends up computing on the same core. When vLLM was given explicit cores, put the
+    main thread back on the first of them, where vLLM's own binding had placed it.
+    """
+    import os
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind in ("auto", "nobind", "all") or "|" in bind or not hasattr(os, "sched_setaffinity"):
+        return
+    first = bind.split(",")[0].split("-")[0]
+    if first.isdigit():
+        os.sched_setaffinity(0, {int(first)})
+
+
 class EldrSignatureConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -78,6 +96,7 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         assert self._recorder is not None
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         context = self._vllm_config.compilation_config.static_forward_context
+        restore_compute_affinity()
         bound = self._recorder.bind(context, device)
         if bound == 0:
             logger.warning("eldr: no MoE router found; this model yields no signatures")

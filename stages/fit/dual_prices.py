@@ -68,7 +68,6 @@ def smoothed_dual_prices(
 
 
 def _newton(s: np.ndarray, caps: np.ndarray, p: np.ndarray, tau: float, span: float) -> np.ndarray:
-    k = s.shape[1]
     tol = max(_GRAD_TOL * float(caps.mean()), _GRAD_TOL_POINTS * len(s) / caps.sum())
     value, mass, gram = _evaluate(s, caps, p, tau)
     radius = _TRUST * tau
@@ -76,32 +75,48 @@ def _newton(s: np.ndarray, caps: np.ndarray, p: np.ndarray, tau: float, span: fl
         grad = caps - mass
         if np.abs(grad).max() <= tol:
             break
-        hess = (np.diag(mass) - gram) / tau
-        # The dual is flat along p + t*1 (sum c_k = sum of softmax mass); pin that direction,
-        # and damp clusters nobody wants (zero rows) so the system stays solvable.
-        scale = max(float(np.trace(hess)) / k, 1e-12)
-        hess += scale * (np.ones((k, k)) / k + 1e-6 * np.eye(k))
-        step = -np.linalg.solve(hess, grad)
-        # Trust region, starting at a few tau: F_tau is close to piecewise linear beyond that
-        # scale, so long Newton steps tend to overshoot and waste line-search evaluations. It
-        # doubles while clipped steps are accepted whole and shrinks when they are not.
-        length = float(np.abs(step).max())
-        clipped = length > radius
-        if clipped:
-            step *= radius / length
+        # sum_i (diag(pi_i) - pi_i pi_i^T) written as a graph Laplacian of the co-assignment
+        # matrix (rows of pi sum to one): positive semi-definite whatever the rounding.
+        hess = (np.diag(gram.sum(axis=1)) - gram) / tau
+        step, clipped = _trust_step(hess, grad, radius)
         t = 1.0
         while True:
             new_value, new_mass, new_gram = _evaluate(s, caps, p + t * step, tau)
-            if new_value <= value + 1e-4 * t * float(grad @ step) or t < 1e-4:
+            if new_value <= value + 1e-4 * t * float(grad @ step):
                 break
             t *= 0.5
+            if t < 1e-3:
+                return p  # no progress left at this tau; the exact repair takes it from here
+        # Trust region, starting at a few tau: F_tau is close to piecewise linear beyond that
+        # scale, so long Newton steps overshoot. It grows while clipped steps are accepted
+        # whole and shrinks when they are not.
         if t == 1.0 and clipped:
             radius = min(2 * radius, span)
         elif t < 1.0:
-            radius = max(t * min(length, radius), tau)
+            radius = max(t * radius, tau)
         p = p + t * step
         value, mass, gram = new_value, new_mass, new_gram
     return p
+
+
+def _trust_step(hess: np.ndarray, grad: np.ndarray, radius: float) -> tuple[np.ndarray, bool]:
+    """Levenberg-Marquardt step -(H + lam I)^-1 g with max |step| <= radius.
+
+    H is singular along p + t*1 (the dual ignores a common shift) and nearly so for a cluster
+    nobody wants; the gauge term pins the first, the damping lam the second. Any lam > 0 keeps
+    the step a descent direction.
+    """
+    k = len(grad)
+    scale = max(float(np.trace(hess)) / k, 1e-12)
+    base = hess + scale * np.ones((k, k)) / k
+    lam = 1e-9 * scale
+    for attempt in range(64):
+        step = -np.linalg.solve(base + lam * np.eye(k), grad)
+        length = float(np.abs(step).max())
+        if length <= radius:
+            return step, attempt > 0  # damped: the radius was binding
+        lam *= 4.0
+    return step * (radius / length), True
 
 
 def _evaluate(
@@ -124,5 +139,6 @@ def _evaluate(
         value += float(top.sum()) + tau * float(np.log(total).sum(dtype=np.float64))
         z /= total
         mass += z.sum(axis=0, dtype=np.float64)
-        gram += (z.T @ z).astype(np.float64)
+        pi = z.astype(np.float64)
+        gram += pi.T @ pi
     return value, mass, gram
