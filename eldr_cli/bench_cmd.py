@@ -106,7 +106,8 @@ def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
     sweep = run_rate_sweep(config, rates)
     for comparison in sweep:
         typer.echo(format_comparison(comparison.metrics(),
-                                     f"{url}: {comparison.rate:g} req/s, {num_prompts} requests"
+                                     f"{url}: {comparison.request_rate:g} req/s,"
+                                     f" {num_prompts} requests"
                                      f" per policy, {max_tokens} output tokens"))
     for path in write_plots(sweep, result_dir):
         typer.echo(f"plot: {path}")
