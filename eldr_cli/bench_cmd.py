@@ -57,6 +57,9 @@ def bench(
     prefill: Annotated[int, typer.Option(help="--simulate: prefill workers.", min=1)] = 8,
     decode: Annotated[int, typer.Option(help="--simulate: decode workers.", min=1)] = 16,
     duration: Annotated[float, typer.Option(help="--simulate: simulated seconds.")] = 120.0,
+    output_tokens: Annotated[int | None, typer.Option(
+        help="--simulate: fixed output length per request (the paper caps at 512 with"
+        " ignore_eos). Default: each captured request's own length.")] = None,
     cost: Annotated[str, typer.Option(
         help="--simulate: cost model: 'gpu' (GPU-like preset), 'cpu', or a JSON file from"
         " --engine-cost.")] = "gpu",
@@ -71,7 +74,7 @@ def bench(
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     if simulate:
         _simulate(data, store, names, _rates(request_rate), prefill, decode, duration, cost,
-                  max_tokens, result_dir, seed)
+                  output_tokens, result_dir, seed)
     elif engine_cost:
         _engine_cost(url, prompts_path, result_dir, seed)
     else:
@@ -141,7 +144,7 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
 
 def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
               rates: list[float], prefill: int, decode: int, duration: float, cost: str,
-              max_tokens: int, result_dir: Path, seed: int) -> None:
+              output_tokens: int | None, result_dir: Path, seed: int) -> None:
     from stages.bench.cost_model import CostModel, cpu_like, gpu_like
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
@@ -171,7 +174,8 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
     for rate in rates:
         config = SimConfig(cost=model, num_prefill=prefill, num_decode=decode,
                            request_rate=rate, duration_s=duration, policies=policies,
-                           max_output_tokens=max_tokens, seed=seed)
+                           output_tokens=output_tokens,
+                           max_output_tokens=max(512, output_tokens or 0), seed=seed)
         comparison = ComparisonResult(rate, simulate(config, arrays, artifact,
                                                      top_k=identity.top_k))
         sweep.append(comparison)

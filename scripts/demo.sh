@@ -40,5 +40,6 @@ stop_serve
 trap - EXIT
 $ELDR fit --k 16 --balanced
 $ELDR bench --simulate --prefill 8 --decode 16 --request-rate 20,60,100 --duration 120 \
-  --cost "$ELDR_HOME/results/cost-model.json"
-$ELDR bench --simulate --prefill 8 --decode 16 --request-rate 20,60,100 --duration 120 --cost gpu
+  --output-tokens 512 --cost "$ELDR_HOME/results/cost-model.json"
+$ELDR bench --simulate --prefill 8 --decode 16 --request-rate 20,60,100 --duration 120 \
+  --output-tokens 512 --cost gpu
