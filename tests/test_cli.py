@@ -102,3 +102,37 @@ def test_capture_defaults_reach_the_runner(monkeypatch: pytest.MonkeyPatch, tmp_
     assert seen["out"] == tmp_path.resolve() / "signatures.zarr"
     assert len(seen["prompts"]) == sum(1 for _ in paths.CALIBRATION_PROMPTS.open())
     assert seen["config"].max_tokens == 32
+
+
+def test_bench_prints_the_comparison_table_and_plots(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`eldr bench` end to end over a stubbed load run (the real one is in the demo)."""
+    import stages.bench.loadgen as loadgen
+    from stages.bench.cost_model import gpu_like
+    from stages.bench.results import ComparisonResult
+    from stages.bench.simulator import SimConfig, simulate
+    from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+
+    spec = SyntheticSpec(num_requests=200, num_layers=4, num_experts=16, top_k=2,
+                         domain_experts=6, min_output=8, max_output=16)
+    arrays = synthetic_signatures(spec)
+    artifact = stand_in_artifact(arrays, 2, calibration=100, iters=5, num_pairs=500)
+    config = SimConfig(cost=gpu_like(4, 16), num_prefill=1, num_decode=2, request_rate=5,
+                       duration_s=5)
+    results = simulate(config, arrays, artifact, top_k=2)
+    seen = {}
+
+    def fake_sweep(bench_config, rates):  # type: ignore[no-untyped-def]
+        seen["config"] = bench_config
+        return [ComparisonResult(rates[0], results)]
+
+    monkeypatch.setattr(loadgen, "run_rate_sweep", fake_sweep)
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    result = runner.invoke(app, ["bench", "--request-rate", "5"])
+    assert result.exit_code == 0, result.output
+    assert seen["config"].url == paths.DEFAULT_PROXY_URL
+    assert seen["config"].prompts_path == paths.EVALUATION_PROMPTS
+    assert "best baseline" in result.output
+    for policy in ("eldr", "rr", "jsq", "random", "p2c"):
+        assert f"\n{policy} " in result.output
