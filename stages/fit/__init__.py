@@ -1,0 +1,1 @@
+"""The fit stage: signature transform fitting, balanced spherical k-means, artifacts."""

@@ -10,9 +10,10 @@ Those prices come from the entropy-smoothed dual of the transportation problem,
     F_tau(p) = tau * sum_i log sum_k exp((s_ik - p_k) / tau) + sum_k c_k p_k,
 
 a smooth convex function of only K variables whose minimiser tends to the LP dual optimum as
-tau -> 0 (softmax assignments whose column sums equal the capacities). Damped Newton steps
-(gradient c - sum_i softmax_i, Hessian sum_i (diag(pi_i) - pi_i pi_i^T) / tau, both O(N K^2))
-converge in a handful of iterations; tau shrinks geometrically, each level warm-starting the
+tau -> 0 (softmax assignments whose column sums equal the capacities). Newton steps (gradient
+c - sum_i softmax_i, Hessian sum_i (diag(pi_i) - pi_i pi_i^T) / tau, both O(N K^2)), damped
+Levenberg-Marquardt style inside a trust region and checked by an Armijo line search, converge
+in a handful of evaluations per level; tau shrinks geometrically, each level warm-starting the
 next. The coarse levels run on a seeded row sample (prices are quantile-like, so a sample of
 tens of thousands of rows pins them down), the finest on all rows.
 
