@@ -133,8 +133,11 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
     layers = _num_layers()
     if layers is None:
         raise EldrError("no artifact to read the model's MoE layer count from; run `eldr fit`")
-    result = measure_engine_cost(EngineCostConfig(worker_urls=workers, prompts_path=prompts,
-                                                  num_layers=layers, seed=seed))
+    # Two batch sizes x (one domain, all domains) bracket the curve in ~3 minutes on a CPU.
+    result = measure_engine_cost(EngineCostConfig(
+        worker_urls=workers, prompts_path=prompts, num_layers=layers, seed=seed,
+        batch_sizes=(2, 8), domain_mixes=(1, 0), repeats=1, max_tokens=32, prefill_probes=0,
+    ))
     typer.echo(format_engine_cost(result))
     result_dir.mkdir(parents=True, exist_ok=True)
     path = result_dir / "cost-model.json"
