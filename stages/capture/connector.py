@@ -62,9 +62,13 @@ def restore_compute_affinity() -> None:
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     if bind in ("auto", "nobind", "all") or "|" in bind or not hasattr(os, "sched_setaffinity"):
         return
-    first = bind.split(",")[0].split("-")[0]
-    if first.isdigit():
-        os.sched_setaffinity(0, {int(first)})
+    from stages.engine import parse_cores
+
+    try:
+        cores = parse_cores(bind)
+    except ValueError:  # not an explicit core list: vLLM did not pin, nothing to restore
+        return
+    os.sched_setaffinity(0, {cores[0]})
 
 
 class EldrSignatureConnector(KVConnectorBase_V1):
