@@ -11,8 +11,9 @@ import typer
 from eldr_cli.options import SeedOption
 from stages import paths
 from stages.errors import EldrError
+from stages.serve.policies import needs_centroids
 
-ALL_POLICIES = "eldr,rr,jsq,random,p2c"
+ALL_POLICIES = "eldr,eldr-bl,rr,jsq,random,p2c"
 
 
 def _rates(text: str) -> list[float]:
@@ -153,20 +154,16 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
     from stages.bench.report import format_comparison
     from stages.bench.results import ComparisonResult, save_comparison
     from stages.bench.simulator import SimConfig, simulate
-    from stages.fit.artifact import ArtifactStore, check_identity
+    from stages.fit.artifact import load_for_serving
     from stages.signature.dataset import SignatureDataset
 
     dataset = SignatureDataset.open(data or paths.default_dataset())
     arrays = dataset.read()
     identity = dataset.identity
     artifact = None
-    if "eldr" in policies:
-        artifact = ArtifactStore(store or paths.default_artifact_store()).load("latest")
-        check_identity(artifact, identity)
-        if artifact.centroids.shape[0] != decode:
-            raise EldrError(f"the latest artifact has {artifact.centroids.shape[0]} centroids;"
-                            f" simulate with --decode {artifact.centroids.shape[0]} or fit"
-                            f" `eldr fit --k {decode}`")
+    if any(needs_centroids(name) for name in policies):
+        artifact = load_for_serving(store or paths.default_artifact_store(), "latest", identity,
+                                    decode)
     if cost == "gpu":
         model = gpu_like(identity.num_layers, identity.num_experts)
     elif cost == "cpu":

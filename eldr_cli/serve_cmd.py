@@ -12,13 +12,20 @@ import typer
 from eldr_cli.options import ModelOption, SeedOption
 from stages import paths
 from stages.errors import EldrError
+from stages.serve.policies import needs_centroids
 
 
 def serve(
     model: ModelOption = "tiny",
+    prefill_model: Annotated[str | None, typer.Option(
+        help="Run prefill workers on this routing-identical variant of --model (same"
+        " eldr_routing_id and KV shapes), e.g. tiny for tiny-wide: the KV cache and signatures"
+        " are the same, and prefill skips the wide model's zero units. Default: --model.",
+        show_default=False)] = None,
     prefill: Annotated[int, typer.Option(help="Prefill workers to start.", min=1)] = 1,
     decode: Annotated[int, typer.Option(help="Decode workers to start.", min=1)] = 2,
-    policy: Annotated[str, typer.Option(help="Decode routing: eldr, rr, jsq, random, p2c.")]
+    policy: Annotated[str, typer.Option(help="Decode routing: eldr (the paper's rule), eldr-bl"
+                                        " (ELDR with bounded loads), rr, jsq, random, p2c.")]
     = "eldr",
     tau: Annotated[float, typer.Option(help="Locality band width for --policy eldr (0: nearest"
                                        " centroid only, 1: pure join-shortest-queue).")] = 0.1,
@@ -43,7 +50,8 @@ def serve(
 ) -> None:
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
     the routing proxy in front of them. Ctrl-C or SIGTERM stops everything started."""
-    from stages.models import resolve_model
+    from stages.fit.artifact import load_for_serving
+    from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.config import ProxyConfig
     from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.proxy import run_proxy
@@ -53,9 +61,15 @@ def serve(
         raise EldrError("--attach-prefill and --attach-decode must be given together")
     store_path = store or paths.default_artifact_store()
     resolved = resolve_model(model)
+    prefill_resolved = None
+    if prefill_model is not None:
+        if attach_prefill or attach_decode:
+            raise EldrError("--prefill-model starts workers; it cannot be used with --attach-*")
+        prefill_resolved = resolve_model(prefill_model)
+        check_handoff_compatible(prefill_resolved, resolved)
     num_decode = len(attach_decode) if attach_decode else decode
-    if policy == "eldr":
-        _check_artifact(store_path, artifact, resolved.identity, num_decode)
+    if needs_centroids(policy):
+        load_for_serving(store_path, artifact, resolved.identity, num_decode)
 
     def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
@@ -63,6 +77,7 @@ def serve(
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     cluster = Cluster(ClusterSpec(
         model=resolved.source, served_name=model, prefill=prefill, decode=decode,
+        prefill_model=prefill_resolved.source if prefill_resolved else None,
         base_port=worker_port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         log_dir=paths.eldr_home() / "logs",
     ))
@@ -70,8 +85,11 @@ def serve(
         if attach:
             prefill_urls, decode_urls = list(attach_prefill or []), list(attach_decode or [])
         else:
-            typer.echo(f"starting {prefill} prefill + {decode} decode vLLM workers on"
-                       f" {resolved.source} (logs in {cluster.spec.log_dir})")
+            on = resolved.source
+            if prefill_resolved is not None:
+                on = f"{prefill_resolved.source} (prefill) and {resolved.source} (decode)"
+            typer.echo(f"starting {prefill} prefill + {decode} decode vLLM workers on {on}"
+                       f" (logs in {cluster.spec.log_dir})")
             from tqdm import tqdm
 
             with tqdm(total=prefill + decode, desc="workers ready", unit="worker") as bar:
@@ -79,7 +97,7 @@ def serve(
             prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
         config = ProxyConfig(
             prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
-            tau=tau, artifact_store=store_path if policy == "eldr" or store_path.exists()
+            tau=tau, artifact_store=store_path if needs_centroids(policy) or store_path.exists()
             else None, artifact_version=artifact, model=model, online_refit=online_refit,
             seed=seed,
         )
@@ -94,22 +112,3 @@ def serve(
         cluster.stop()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _check_artifact(store: Path, version: str, identity: object, num_decode: int) -> None:
-    from stages.fit.artifact import ArtifactStore, check_identity
-
-    if not store.exists() or not any(store.iterdir()):
-        raise EldrError(
-            f"--policy eldr needs a fitted artifact and {store} has none: run `eldr capture`"
-            f" then `eldr fit --k {num_decode} --balanced` (one cluster per decode worker), or"
-            " serve with a load-only policy (--policy jsq)"
-        )
-    loaded = ArtifactStore(store).load(version)
-    check_identity(loaded, identity)
-    k = loaded.centroids.shape[0]
-    if k != num_decode:
-        raise EldrError(
-            f"artifact {loaded.version} has {k} centroids but {num_decode} decode workers are"
-            f" served; fit one with `eldr fit --k {num_decode} --balanced`"
-        )

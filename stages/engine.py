@@ -56,6 +56,9 @@ class ServerSpec:
     enable_prefix_caching: bool = True
     eldr_plugin: bool = True
     count_decode: bool = False
+    # False only for a routing-identical prefill variant that eldr has checked itself
+    # (models.check_handoff_compatible): NIXL's handshake hash includes the model path.
+    nixl_compat_check: bool = True
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -64,7 +67,9 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
-def kv_transfer_config(role: str, count_decode: bool = False) -> dict[str, object]:
+def kv_transfer_config(
+    role: str, count_decode: bool = False, nixl_compat_check: bool = True
+) -> dict[str, object]:
     """eldr's signature connector, composed with NixlConnector for prefill/decode roles.
 
     Composition goes through vLLM's own ``MultiConnector``; eldr's connector is listed first so
@@ -78,7 +83,9 @@ def kv_transfer_config(role: str, count_decode: bool = False) -> dict[str, objec
     }
     if role not in ("prefill", "decode"):
         return eldr
-    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", **buffer}
+    nixl: dict[str, object] = {"kv_connector": "NixlConnector", "kv_role": "kv_both", **buffer}
+    if not nixl_compat_check:
+        nixl["kv_connector_extra_config"] = {"enforce_handshake_compat": False}
     return {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
@@ -106,7 +113,7 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     else:
         argv += ["--no-enable-prefix-caching"]
     if spec.eldr_plugin:
-        config = kv_transfer_config(spec.role, spec.count_decode)
+        config = kv_transfer_config(spec.role, spec.count_decode, spec.nixl_compat_check)
         argv += ["--kv-transfer-config", json.dumps(config)]
     argv += list(spec.extra_args)
 

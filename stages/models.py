@@ -48,6 +48,7 @@ class ResolvedModel:
     name: str  # what the user typed (preset name, path or hub id)
     source: str  # what vLLM gets as --model: a local directory or a hub id
     identity: ModelIdentity
+    config_path: Path
 
 
 def resolve_model(name: str) -> ResolvedModel:
@@ -61,12 +62,14 @@ def resolve_model(name: str) -> ResolvedModel:
             path = BUNDLED_MODELS_DIR / name
         if not (path / "config.json").exists():
             raise EldrError(f"bundled model '{name}' is missing at {path}; reinstall eldr")
-        return ResolvedModel(name, str(path), identity_from_config(path / "config.json", name))
+        config = path / "config.json"
+        return ResolvedModel(name, str(path), identity_from_config(config, name), config)
     local = Path(name).expanduser()
     if local.is_dir():
         if not (local / "config.json").exists():
             raise EldrError(f"{local} has no config.json: not a Hugging Face model directory")
-        return ResolvedModel(name, str(local), identity_from_config(local / "config.json", name))
+        config = local / "config.json"
+        return ResolvedModel(name, str(local), identity_from_config(config, name), config)
     hub_id = preset.hub_id if preset is not None else name
     if "/" not in hub_id:
         known = ", ".join(PRESETS)
@@ -90,7 +93,7 @@ def _resolve_hub(name: str, hub_id: str) -> ResolvedModel:
                 f" {hub_id}`) and pass the directory with --model, or {BUNDLED_HINT}."
             )
         config = _download_config(hub_id)
-    return ResolvedModel(name, hub_id, identity_from_config(config, name))
+    return ResolvedModel(name, hub_id, identity_from_config(config, name), config)
 
 
 def _cached_hub_file(hub_id: str, filename: str) -> Path | None:
@@ -132,6 +135,41 @@ def identity_from_config(config_path: Path, name: str) -> ModelIdentity:
     # signatures and artifacts are interchangeable.
     routing_id = str(config.get("eldr_routing_id", name))
     return ModelIdentity(routing_id, int(layers), int(experts), int(top_k))
+
+
+# What the KV cache a prefill worker hands over is shaped by.
+_KV_SHAPE_KEYS = (
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_size", "vocab_size", "torch_dtype", "sliding_window", "rope_theta",
+)
+
+
+def check_handoff_compatible(prefill: ResolvedModel, decode: ResolvedModel) -> None:
+    """Prefill on a different model than decode only when the two compute the same KV cache.
+
+    The one sanctioned case is a routing-identical variant (``eldr_routing_id`` shared, as
+    tiny and tiny-wide do: the wide model's extra expert units are zero, so every hidden state,
+    and so every KV entry, is the narrow model's). vLLM's own NIXL handshake hash includes the
+    model path and would refuse the pair, so eldr checks the pair here instead.
+    """
+    if prefill.identity != decode.identity:
+        raise EldrError(
+            f"--prefill-model {prefill.name} does not route like --model {decode.name}"
+            f" ({prefill.identity} vs {decode.identity}): prefill may only run a variant that"
+            " shares the decode model's eldr_routing_id (e.g. --model tiny-wide"
+            " --prefill-model tiny), otherwise the hand-off would feed decode a foreign KV cache"
+        )
+    shapes = []
+    for model in (prefill, decode):
+        config = json.loads(model.config_path.read_text())
+        config = config.get("text_config", config)
+        shapes.append({key: config.get(key) for key in _KV_SHAPE_KEYS})
+    differing = [key for key in _KV_SHAPE_KEYS if shapes[0][key] != shapes[1][key]]
+    if differing:
+        raise EldrError(
+            f"--prefill-model {prefill.name} and --model {decode.name} differ in"
+            f" {', '.join(differing)}: their KV caches are not interchangeable"
+        )
 
 
 def _first(config: dict[str, object], *keys: str) -> int | None:

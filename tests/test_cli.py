@@ -136,3 +136,30 @@ def test_bench_prints_the_comparison_table_and_plots(
     assert "best baseline" in result.output
     for policy in ("eldr", "rr", "jsq", "random", "p2c"):
         assert f"\n{policy} " in result.output
+
+
+def test_prefill_model_must_route_like_the_decode_model(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    config = (paths.BUNDLED_MODELS_DIR / "tiny" / "config.json").read_text()
+    (other / "config.json").write_text(config.replace('"eldr_routing_id": "tiny"',
+                                                      '"eldr_routing_id": "other"'))
+    result = run_eldr("serve", "--model", "tiny", "--prefill-model", str(other),
+                      "--policy", "jsq", home=tmp_path)
+    assert result.returncode == 2
+    assert "does not route like" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_prefill_model_must_share_kv_shapes(tmp_path: Path) -> None:
+    import json
+
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((paths.BUNDLED_MODELS_DIR / "tiny" / "config.json").read_text())
+    config["num_key_value_heads"] = config["num_attention_heads"] * 2
+    (other / "config.json").write_text(json.dumps(config))
+    result = run_eldr("serve", "--model", "tiny", "--prefill-model", str(other),
+                      "--policy", "jsq", home=tmp_path)
+    assert result.returncode == 2
+    assert "num_key_value_heads" in result.stderr

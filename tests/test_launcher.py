@@ -20,3 +20,29 @@ def test_one_core_is_shared() -> None:
 
 def test_no_cores_known_lets_vllm_decide() -> None:
     assert core_plan(["prefill", "decode"], []) == [None, None]
+
+
+def test_prefill_variant_runs_on_prefill_workers_only() -> None:
+    from stages.engine import kv_transfer_config
+    from stages.serve.launcher import ClusterSpec, worker_specs
+
+    specs = worker_specs(ClusterSpec(model="/m/wide", served_name="w", prefill_model="/m/narrow"))
+    assert [(s.role, s.model) for s in specs] == [
+        ("prefill", "/m/narrow"), ("decode", "/m/wide"), ("decode", "/m/wide")
+    ]
+    # NIXL's handshake hash covers the model path, so eldr's own check replaces it.
+    assert not any(s.nixl_compat_check for s in specs)
+    nixl = kv_transfer_config("decode", nixl_compat_check=False)["kv_connector_extra_config"]
+    assert nixl["connectors"][1]["kv_connector_extra_config"] == {  # type: ignore[index]
+        "enforce_handshake_compat": False
+    }
+
+
+def test_same_model_keeps_nixl_handshake_check() -> None:
+    from stages.engine import kv_transfer_config
+    from stages.serve.launcher import ClusterSpec, worker_specs
+
+    specs = worker_specs(ClusterSpec(model="/m/a", served_name="a", prefill_model="/m/a"))
+    assert all(s.nixl_compat_check and s.model == "/m/a" for s in specs)
+    nixl = kv_transfer_config("prefill")["kv_connector_extra_config"]["connectors"][1]  # type: ignore[index]
+    assert "kv_connector_extra_config" not in nixl

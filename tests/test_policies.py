@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from stages.errors import EldrError
-from stages.serve.policies import POLICIES, EldrPolicy, RoutingRequest, make_policy
+from stages.serve.policies import (
+    POLICIES,
+    EldrBoundedPolicy,
+    EldrPolicy,
+    RoutingRequest,
+    make_policy,
+    needs_centroids,
+)
 from stages.serve.policies.jsq import JsqPolicy
 from stages.serve.policies.p2c import PowerOfTwoPolicy
 from stages.serve.policies.random_policy import RandomPolicy
@@ -34,12 +41,14 @@ EYE4 = np.eye(4, dtype=np.float32)
 
 
 def test_registry_names_every_policy() -> None:
-    assert set(POLICIES) == {"eldr", "rr", "jsq", "random", "p2c"}
+    assert set(POLICIES) == {"eldr", "eldr-bl", "rr", "jsq", "random", "p2c"}
     assert isinstance(make_policy("rr", 3), RoundRobinPolicy)
     assert isinstance(make_policy("jsq", 3), JsqPolicy)
     assert isinstance(make_policy("random", 3), RandomPolicy)
     assert isinstance(make_policy("p2c", 3), PowerOfTwoPolicy)
     assert isinstance(make_policy("eldr", 4, centroids=EYE4), EldrPolicy)
+    assert isinstance(make_policy("eldr-bl", 4, centroids=EYE4), EldrBoundedPolicy)
+    assert [name for name in POLICIES if needs_centroids(name)] == ["eldr", "eldr-bl"]
 
 
 def test_registry_errors() -> None:
@@ -170,3 +179,46 @@ def test_eldr_rejects_bad_shapes() -> None:
         p.set_centroids(EYE4, np.array([0, 0, 1, 2]))
     with pytest.raises(EldrError, match="shape"):
         p.choose(req([0] * 4, features=np.ones(3, np.float32)))
+
+
+# --- ELDR with bounded loads ---
+
+
+def test_paper_rule_is_jsq_with_two_workers() -> None:
+    """The runner-up rule always fills a two-worker band, so load alone decides."""
+    p = make_policy("eldr", 2, centroids=np.eye(2, dtype=np.float32))
+    assert p.choose(req([1, 0], features=unit([1, 0]))) == 1
+
+
+def test_bounded_prefers_the_best_match_within_the_load_cap() -> None:
+    p = make_policy("eldr-bl", 2, centroids=np.eye(2, dtype=np.float32))
+    # Loads 2 and 1 plus this request: cap ceil(1.25 * 4 / 2) = 3, worker 0 may reach 3.
+    assert p.choose(req([2, 1], features=unit([1, 0]))) == 0
+    # Loads 4 and 1: cap ceil(1.25 * 6 / 2) = 4; worker 0 would exceed it, so it spills.
+    assert p.choose(req([4, 1], features=unit([1, 0]))) == 1
+
+
+def test_bounded_tries_band_members_by_similarity() -> None:
+    p = make_policy("eldr-bl", 4, centroids=EYE4, tau=0.5)
+    features = unit([1.0, 0.9, 0.8, 0.0])  # band: workers 0, 1, 2 (worker 3 is far)
+    # Cap ceil(1.25 * 13 / 4) = 5: worker 0 (5 in flight) is over it, worker 1 is next best.
+    assert p.choose(req([5, 4, 0, 3], features=features)) == 1
+    # Everyone in the band over the cap (epsilon 0: cap ceil(27 / 4) = 7): the paper's
+    # least-loaded pick inside the band, never the idle worker outside it.
+    strict = EldrBoundedPolicy(4, centroids=EYE4, tau=0.5, epsilon=0.0)
+    assert strict.choose(req([9, 9, 8, 0], features=features)) == 2
+    assert strict.choose(req([8, 9, 9, 0], features=features)) == 0
+
+
+def test_bounded_never_picks_an_ineligible_worker() -> None:
+    p = make_policy("eldr-bl", 4, centroids=EYE4, tau=0.0)
+    picks = {
+        p.choose(req([0, 0, 0, 0], [False, True, True, True], features=unit([1, 0.1, 0, 0])))
+        for _ in range(10)
+    }
+    assert picks == {1}
+
+
+def test_bounded_rejects_bad_epsilon() -> None:
+    with pytest.raises(EldrError, match="epsilon"):
+        EldrBoundedPolicy(2, centroids=np.eye(2, dtype=np.float32), epsilon=-1)

@@ -33,7 +33,7 @@ PROMPTS = [
     "Solve: Maria buys 3 boxes of 12 pencils and gives away 7. How many pencils are left?",
     "Continuez ce texte : La rivière traverse le village avant de rejoindre la mer.",
 ]
-POLICIES = ["eldr", "rr", "jsq", "random", "p2c"]
+POLICIES = ["eldr", "eldr-bl", "rr", "jsq", "random", "p2c"]
 MAX_TOKENS = 12
 
 

@@ -32,7 +32,7 @@ from stages.serve.policies import POLICIES, DecodePolicy, RoutingRequest, make_p
 from stages.serve.policies.eldr import DEFAULT_TAU
 from stages.signature.dataset import SignatureArrays
 
-DEFAULT_POLICIES = ("eldr", "rr", "jsq", "random", "p2c")
+DEFAULT_POLICIES = ("eldr", "eldr-bl", "rr", "jsq", "random", "p2c")
 _STEP_END, _KV_READY = 0, 1
 _NOISE_BLOCK = 1 << 16
 

@@ -96,6 +96,31 @@ def check_identity(artifact: Artifact, identity: ModelIdentity) -> None:
         )
 
 
+def load_for_serving(
+    store: Path, version: str, identity: ModelIdentity, num_decode: int
+) -> Artifact:
+    """The artifact ELDR routes ``num_decode`` workers of the model ``identity`` with.
+
+    One place for the checks ``eldr serve`` and ``eldr bench --simulate`` both need: a fit
+    exists, it is for this model, and it has one centroid per decode worker.
+    """
+    if not store.exists() or not any(store.iterdir()):
+        raise EldrError(
+            f"ELDR needs a fitted artifact and {store} has none: run `eldr capture` then"
+            f" `eldr fit --k {num_decode} --balanced` (one cluster per decode worker), or use a"
+            " load-only policy (jsq)"
+        )
+    artifact = ArtifactStore(store).load(version)
+    check_identity(artifact, identity)
+    k = artifact.centroids.shape[0]
+    if k != num_decode:
+        raise EldrError(
+            f"artifact {artifact.version} has {k} centroids but there are {num_decode} decode"
+            f" workers; fit one with `eldr fit --k {num_decode} --balanced`"
+        )
+    return artifact
+
+
 class ArtifactStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)

@@ -21,6 +21,8 @@ from stages.errors import EldrError
 class ClusterSpec:
     model: str  # vLLM --model: local directory or hub id
     served_name: str
+    # A routing-identical variant to prefill on (e.g. tiny for tiny-wide); None: ``model``.
+    prefill_model: str | None = None
     prefill: int = 1
     decode: int = 2
     base_port: int = 8100
@@ -64,9 +66,10 @@ def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
     cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
     binding = core_plan(roles, cores)
+    mixed = spec.prefill_model is not None and spec.prefill_model != spec.model
     return [
         ServerSpec(
-            model=spec.model,
+            model=spec.prefill_model if mixed and role == "prefill" else spec.model,
             port=spec.base_port + i,
             role=role,
             served_name=spec.served_name,
@@ -75,6 +78,7 @@ def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
             kv_cache_gib=spec.kv_cache_gib,
             cpu_cores=binding[i],
             nixl_side_channel_port=spec.nixl_base_port + i,
+            nixl_compat_check=not mixed,
             extra_args=spec.extra_args,
         )
         for i, role in enumerate(roles)

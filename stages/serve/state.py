@@ -13,6 +13,7 @@ from stages.serve.config import ProxyConfig
 from stages.serve.decode_router import DecodeRouter
 from stages.serve.metrics import ProxyMetrics
 from stages.serve.online_refit import FitFn, OnlineRefitter, balanced_fit
+from stages.serve.policies import needs_centroids
 from stages.serve.prefill_router import PrefillRouter
 from stages.serve.upstream import leg_timeout
 from stages.serve.workers import WorkerPool
@@ -57,10 +58,13 @@ def build_state(
     artifact = None
     if config.artifact_store is not None:
         artifact = artifact_loader(config.artifact_store, config.artifact_version)
-    elif config.policy == "eldr":
-        raise EldrError("policy 'eldr' needs an artifact: set artifact_store (eldr fit writes one)")
+    elif needs_centroids(config.policy):
+        raise EldrError(
+            f"policy {config.policy!r} needs an artifact: set artifact_store (eldr fit writes one)"
+        )
     num_decode = len(config.decode_urls)
-    if artifact is not None and config.policy != "eldr" and len(artifact.centroids) != num_decode:
+    mismatched = artifact is not None and len(artifact.centroids) != num_decode
+    if mismatched and not needs_centroids(config.policy):
         # A load-only policy does not need the artifact; an unrelated fit lying in the store
         # must not stop the proxy. Switching to eldr later says why it cannot.
         log.warning(

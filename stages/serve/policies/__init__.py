@@ -11,6 +11,7 @@ import numpy as np
 from stages.errors import EldrError
 from stages.serve.policies.base import DecodePolicy, RoutingRequest
 from stages.serve.policies.eldr import DEFAULT_TAU, EldrPolicy
+from stages.serve.policies.eldr_bounded import EldrBoundedPolicy
 from stages.serve.policies.jsq import JsqPolicy
 from stages.serve.policies.p2c import PowerOfTwoPolicy
 from stages.serve.policies.random_policy import RandomPolicy
@@ -18,7 +19,9 @@ from stages.serve.policies.round_robin import RoundRobinPolicy
 
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls
-    for cls in (EldrPolicy, RoundRobinPolicy, JsqPolicy, RandomPolicy, PowerOfTwoPolicy)
+    for cls in (
+        EldrPolicy, EldrBoundedPolicy, RoundRobinPolicy, JsqPolicy, RandomPolicy, PowerOfTwoPolicy
+    )
 }
 
 
@@ -40,19 +43,28 @@ def make_policy(
         raise EldrError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
     if num_workers < 1:
         raise EldrError(f"need at least one decode worker, got {num_workers}")
-    if cls is EldrPolicy:
+    if issubclass(cls, EldrPolicy):
         if centroids is None:
-            raise EldrError("policy 'eldr' needs centroids: load an artifact (eldr fit) first")
+            raise EldrError(f"policy {name!r} needs centroids: load an artifact (eldr fit) first")
         if centroids.ndim != 2 or centroids.shape[0] != num_workers:
             raise EldrError(
-                f"policy 'eldr' needs K == number of decode workers: the artifact has"
+                f"policy {name!r} needs K == number of decode workers: the artifact has"
                 f" {centroids.shape[0] if centroids.ndim else 0} centroids for {num_workers}"
                 " decode workers (refit with --k equal to the decode worker count)"
             )
-        return EldrPolicy(
+        return cls(
             num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid
         )
     return cls(num_workers, seed)
 
 
-__all__ = ["POLICIES", "DecodePolicy", "EldrPolicy", "RoutingRequest", "make_policy"]
+def needs_centroids(name: str) -> bool:
+    """Whether policy ``name`` routes by centroids (and so needs a fitted artifact)."""
+    cls = POLICIES.get(name)
+    return cls is not None and issubclass(cls, EldrPolicy)
+
+
+__all__ = [
+    "POLICIES", "DecodePolicy", "EldrBoundedPolicy", "EldrPolicy", "RoutingRequest",
+    "make_policy", "needs_centroids",
+]

@@ -118,6 +118,8 @@ class EldrPolicy(DecodePolicy):
             second = int(rest.argmax())
             if rest[second] > -np.inf:
                 band[second] = True
-        # Fewest in flight inside the band; argmin keeps the lowest index on ties.
-        idx = np.flatnonzero(band)
-        return int(idx[request.loads[idx].argmin()])
+        return self.pick_in_band(np.flatnonzero(band), s, request)
+
+    def pick_in_band(self, band: np.ndarray, s: np.ndarray, request: RoutingRequest) -> int:
+        """The paper's pick: fewest in flight; argmin keeps the lowest index on ties."""
+        return int(band[request.loads[band].argmin()])
