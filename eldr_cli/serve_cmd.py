@@ -43,6 +43,10 @@ def serve(
         help="URL of a running decode worker (repeat); starts no workers.")] = None,
     online_refit: Annotated[bool, typer.Option(help="Refit centroids on recent signatures"
                                                " every few seconds.")] = False,
+    worker_cores: Annotated[str | None, typer.Option(
+        help="CPU cores per started worker, '|'-separated, prefill workers first, e.g."
+        " '0|0|1' (a light --prefill-model sharing core 0 with a decode worker). Default: prefill"
+        " and decode get separate core pools.", show_default=False)] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Per-worker batch limit (vLLM"
                                               " --max-num-seqs).")] = 8,
     max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len.")] = 1024,
@@ -53,7 +57,7 @@ def serve(
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.config import ProxyConfig
-    from stages.serve.launcher import Cluster, ClusterSpec
+    from stages.serve.launcher import Cluster, ClusterSpec, check_worker_cores
     from stages.serve.proxy import run_proxy
 
     attach = bool(attach_prefill or attach_decode)
@@ -74,12 +78,16 @@ def serve(
     def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
+    cores = tuple(worker_cores.split("|")) if worker_cores else None
+    if cores is not None:
+        check_worker_cores(cores, prefill + decode)
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     cluster = Cluster(ClusterSpec(
         model=resolved.source, served_name=model, prefill=prefill, decode=decode,
         prefill_model=prefill_resolved.source if prefill_resolved else None,
         base_port=worker_port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         log_dir=paths.eldr_home() / "logs",
+        worker_cores=cores,
     ))
     try:
         if attach:

@@ -46,3 +46,27 @@ def test_same_model_keeps_nixl_handshake_check() -> None:
     assert all(s.nixl_compat_check and s.model == "/m/a" for s in specs)
     nixl = kv_transfer_config("prefill")["kv_connector_extra_config"]["connectors"][1]  # type: ignore[index]
     assert "kv_connector_extra_config" not in nixl
+
+
+def test_explicit_worker_cores_replace_the_plan() -> None:
+    import os
+
+    from stages.serve.launcher import ClusterSpec, worker_specs
+
+    core = str(min(os.sched_getaffinity(0)))
+    specs = worker_specs(ClusterSpec(model="/m", served_name="m", worker_cores=(core,) * 3))
+    assert [s.cpu_cores for s in specs] == [core] * 3
+
+
+def test_bad_worker_cores_are_user_errors() -> None:
+    import pytest
+
+    from stages.errors import EldrError
+    from stages.serve.launcher import check_worker_cores
+
+    with pytest.raises(EldrError, match="3 core sets for 2 workers"):
+        check_worker_cores(("0", "0", "0"), 2)
+    with pytest.raises(EldrError, match="not a core list"):
+        check_worker_cores(("x",), 1)
+    with pytest.raises(EldrError, match="may not use"):
+        check_worker_cores(("100000",), 1)

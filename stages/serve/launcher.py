@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.engine import ServerSpec, VllmServer, on_cpu
+from stages.engine import ServerSpec, VllmServer, on_cpu, parse_cores
 from stages.errors import EldrError
 
 
@@ -31,6 +31,8 @@ class ClusterSpec:
     max_num_seqs: int = 8
     kv_cache_gib: int = 1
     log_dir: Path = Path(".eldr/logs")
+    # Explicit cores per worker (prefill workers first), e.g. ("0", "0", "1"); None: core_plan.
+    worker_cores: tuple[str, ...] | None = None
     extra_args: tuple[str, ...] = ()
 
 
@@ -62,10 +64,37 @@ def core_plan(roles: list[str], cores: list[int]) -> list[str | None]:
     return plan
 
 
+def check_worker_cores(worker_cores: tuple[str, ...], num_workers: int) -> tuple[str, ...]:
+    """Validate an explicit per-worker core list against this process's allowed cores."""
+    if len(worker_cores) != num_workers:
+        raise EldrError(
+            f"--worker-cores lists {len(worker_cores)} core sets for {num_workers} workers"
+            " (prefill workers first, then decode workers)"
+        )
+    allowed = os.sched_getaffinity(0)
+    for text in worker_cores:
+        try:
+            cores = parse_cores(text)
+        except ValueError:
+            raise EldrError(
+                f"--worker-cores: {text!r} is not a core list like 0, 2-3 or 0,2"
+            ) from None
+        missing = sorted(set(cores) - allowed)
+        if not cores or missing:
+            raise EldrError(
+                f"--worker-cores: {text!r} names cores {missing} this process may not use"
+                f" (allowed: {sorted(allowed)})"
+            )
+    return worker_cores
+
+
 def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
-    cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
-    binding = core_plan(roles, cores)
+    if spec.worker_cores is not None:
+        binding: list[str | None] = list(check_worker_cores(spec.worker_cores, len(roles)))
+    else:
+        cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
+        binding = core_plan(roles, cores)
     mixed = spec.prefill_model is not None and spec.prefill_model != spec.model
     return [
         ServerSpec(
