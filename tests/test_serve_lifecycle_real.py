@@ -1,4 +1,9 @@
-"""`eldr serve` as users run it: starts real workers, and SIGTERM leaves no process behind."""
+"""`eldr serve` as users run it: real workers, a prefill variant handing KV to the decode
+model, and SIGTERM leaving no process behind.
+
+One `eldr serve` process serves the module: decode runs a widened tiny (zero expert units,
+routing-identical), prefill runs tiny itself (--prefill-model), as the demo does.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -45,14 +52,29 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_sigterm_stops_proxy_and_every_worker(tmp_path: Path) -> None:
-    port = free_port()
-    worker_port = free_port()
-    env = {**os.environ, "ELDR_HOME": str(tmp_path)}
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    url: str
+    decode_url: str
+    model: str
+    workers: set[int]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from stages.model_widen import ensure_wide_model
+
+    home = tmp_path_factory.mktemp("home")
+    env = {**os.environ, "ELDR_HOME": str(home)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ELDR_HOME", str(home))
+        wide = str(ensure_wide_model(intermediate=1024))  # ~100 MB: quick to derive and load
+    port, worker_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eldr_cli", "serve", "--model", "tiny", "--policy", "jsq",
-         "--prefill", "1", "--decode", "1", "--port", str(port), "--worker-port",
-         str(worker_port)],
+        [sys.executable, "-m", "eldr_cli", "serve", "--model", wide, "--prefill-model", "tiny",
+         "--policy", "jsq", "--prefill", "1", "--decode", "1", "--port", str(port),
+         "--worker-port", str(worker_port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -69,15 +91,39 @@ def test_sigterm_stops_proxy_and_every_worker(tmp_path: Path) -> None:
             time.sleep(1)
         else:
             pytest.fail("eldr serve did not become healthy")
-        body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
-        assert response.status_code == 200
-        workers |= _descendants(proc.pid)
-        assert len(workers) >= 4  # two api servers, their engine cores and workers
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=90)
-        time.sleep(1)
-        assert [pid for pid in workers if _alive(pid)] == []
+        yield Served(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{worker_port + 1}",
+                     wide, workers)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _complete(url: str, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    response.raise_for_status()
+    return str(response.json()["choices"][0]["text"])
+
+
+def test_prefill_variant_hands_kv_to_the_wide_decode_model(served: Served) -> None:
+    # Prompts shorter than one KV block, so the decode worker's prefix cache never serves
+    # one path from the other's blocks.
+    for prompt in ["def add(a, b):", "Solve: 3 + 4 ="]:
+        # Alone, the decode worker computes the whole request on the wide model; through the
+        # proxy, prefill ran on tiny and decode continued from its KV. Greedy outputs agree.
+        alone = _complete(served.decode_url, served.model, prompt)
+        assert _complete(served.url, served.model, prompt) == alone
+    external = 0.0
+    for line in httpx.get(f"{served.decode_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total") and "external_kv" in line:
+            external += float(line.rsplit(" ", 1)[1])
+    assert external > 0  # the decode worker really loaded the prefill worker's KV
+
+
+def test_sigterm_stops_proxy_and_every_worker(served: Served) -> None:
+    workers = served.workers | _descendants(served.proc.pid)
+    assert len(workers) >= 4  # two api servers, their engine cores and workers
+    served.proc.send_signal(signal.SIGTERM)
+    served.proc.wait(timeout=90)
+    time.sleep(1)
+    assert [pid for pid in workers if _alive(pid)] == []
