@@ -45,6 +45,13 @@ def test_fit_artifact_end_to_end(tmp_path: Path) -> None:
         held["same_cluster_distinct_experts_per_layer"] < held["random_distinct_experts_per_layer"]
     )
     assert held["distinct_experts_reduction"] > 0.1
+    # Per decode step too (16 tokens per request: a step sees far fewer experts than a whole
+    # decode does).
+    assert held["step_distinct_experts_reduction"] > 0.1
+    assert (
+        held["same_cluster_step_distinct_experts_per_layer"]
+        < held["same_cluster_distinct_experts_per_layer"]
+    )
     # Same data, same config: same content, same version.
     again = fit_artifact(prefill, decode, IDENTITY, "d" * 64, config, store)
     assert again.version == artifact.version
@@ -82,3 +89,22 @@ def test_distinct_experts_per_layer() -> None:
     active[1, 0, [1, 2]] = True
     active[1, 1, 3] = True
     assert distinct_experts_per_layer(active) == pytest.approx((3 + 1) / 2)
+
+
+def test_expected_step_experts_matches_sampling() -> None:
+    """The closed form equals a Monte Carlo of requests drawing their top-k picks."""
+    from stages.bench.expert_union import inclusion_log_complement
+    from stages.fit.pipeline import expected_step_experts_per_layer
+
+    rng = np.random.default_rng(3)
+    decode = rng.multinomial(32, rng.dirichlet(np.full(16, 0.3), size=(4, 2)))  # [B=4, L=2, E]
+    logc = np.stack([inclusion_log_complement(d, top_k=1) for d in decode])
+    expected = expected_step_experts_per_layer(logc, num_layers=2)
+    draws = []
+    for _ in range(4000):
+        active = np.zeros((2, 16), bool)
+        for d in decode:
+            for layer in range(2):
+                active[layer, rng.choice(16, p=d[layer] / d[layer].sum())] = True
+        draws.append(active.sum() / 2)
+    assert abs(np.mean(draws) - expected) < 0.05

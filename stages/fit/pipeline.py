@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from stages.bench.expert_union import inclusion_log_complement
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
 from stages.fit.kmeans import balanced_spherical_kmeans
@@ -92,6 +93,10 @@ def fit_artifact(
             km.centroids,
             config.eval_batch_size,
             np.random.default_rng(config.seed + 1),
+            step_profiles=np.stack([
+                inclusion_log_complement(d, identity.top_k, fallback=p)
+                for d, p in zip(decode[held], prefill[held], strict=True)
+            ]) if len(held) else None,
         ),
     }
     params = {
@@ -127,50 +132,68 @@ def distinct_experts_per_layer(active: np.ndarray) -> float:
     return float(active.any(axis=0).sum(axis=1).mean())
 
 
+def expected_step_experts_per_layer(log_complement: np.ndarray, num_layers: int) -> float:
+    """Expected distinct experts per layer in one decode step of a batch.
+
+    ``log_complement``: ``[B, L*E]`` per-request ``log(1 - pi)`` (see
+    ``stages.bench.expert_union``): expert (l, e) is active in a step with probability
+    ``1 - prod_r (1 - pi_r)``.
+    """
+    active = -np.expm1(log_complement.sum(axis=0))
+    return float(active.sum() / num_layers)
+
+
 def holdout_metrics(
     x: np.ndarray,
     decode: np.ndarray,
     centroids: np.ndarray,
     batch_size: int,
     rng: np.random.Generator,
+    step_profiles: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Distinct experts per layer: batches of same-cluster held-out requests vs random ones.
 
     Held-out requests go to their nearest centroid (ELDR's tau = 0 rule, without load); each
     cluster's requests are shuffled and cut into full batches. Random batches of the same size
-    are drawn from all held-out requests.
+    are drawn from all held-out requests. Two measures: the experts a batch's requests used
+    over their whole decode (saturates as answers grow), and, given ``step_profiles``
+    (``[n, L*E]`` log-complements), the expected distinct experts of one decode step, the
+    quantity a step's weight reads follow.
     """
     n = len(x)
     if n < batch_size:
         return {"num_requests": n, "batch_size": batch_size, "note": "too few held-out requests"}
     sims = x @ centroids.T
     labels = sims.argmax(axis=1)
-    active = decode > 0
-    same = []
+    same_batches: list[np.ndarray] = []
     for j in range(len(centroids)):
         members = rng.permutation(np.flatnonzero(labels == j))
         for a in range(0, len(members) - batch_size + 1, batch_size):
-            same.append(distinct_experts_per_layer(active[members[a : a + batch_size]]))
-    num_random = max(len(same), _MIN_RANDOM_BATCHES)
-    rand = [
-        distinct_experts_per_layer(active[rng.choice(n, size=batch_size, replace=False)])
-        for _ in range(num_random)
-    ]
+            same_batches.append(members[a : a + batch_size])
+    num_random = max(len(same_batches), _MIN_RANDOM_BATCHES)
+    random_batches = [rng.choice(n, size=batch_size, replace=False) for _ in range(num_random)]
+    active = decode > 0
     out: dict[str, Any] = {
         "num_requests": n,
         "batch_size": batch_size,
         "cluster_sizes": np.bincount(labels, minlength=len(centroids)).tolist(),
         "mean_cosine_to_nearest": float(sims.max(axis=1).mean()),
-        "num_same_cluster_batches": len(same),
+        "num_same_cluster_batches": len(same_batches),
         "num_random_batches": num_random,
-        "random_distinct_experts_per_layer": float(np.mean(rand)),
     }
-    if same:
-        same_mean = float(np.mean(same))
-        out["same_cluster_distinct_experts_per_layer"] = same_mean
-        out["distinct_experts_reduction"] = (
-            1.0 - same_mean / out["random_distinct_experts_per_layer"]
+    measures = {"": lambda b: distinct_experts_per_layer(active[b])}
+    if step_profiles is not None:
+        num_layers = decode.shape[1]
+        measures["step_"] = lambda b: expected_step_experts_per_layer(
+            step_profiles[b], num_layers
         )
+    for prefix, measure in measures.items():
+        rand = float(np.mean([measure(b) for b in random_batches]))
+        out[f"random_{prefix}distinct_experts_per_layer"] = rand
+        if same_batches:
+            same = float(np.mean([measure(b) for b in same_batches]))
+            out[f"same_cluster_{prefix}distinct_experts_per_layer"] = same
+            out[f"{prefix}distinct_experts_reduction"] = 1.0 - same / rand
     return out
 
 
@@ -202,10 +225,20 @@ def plot_fit(artifact: Artifact, path: Path) -> Path:
     )
 
     holdout = metrics.get("holdout", {})
-    same = holdout.get("same_cluster_distinct_experts_per_layer")
-    rand = holdout.get("random_distinct_experts_per_layer")
-    if same is not None and rand is not None:
-        ax_experts.bar(["same cluster", "random"], [same, rand], color=["tab:orange", "tab:gray"])
+    groups = [
+        (label, holdout.get(f"same_cluster_{prefix}distinct_experts_per_layer"),
+         holdout.get(f"random_{prefix}distinct_experts_per_layer"))
+        for label, prefix in (("one decode step", "step_"), ("whole decode", ""))
+    ]
+    groups = [g for g in groups if g[1] is not None and g[2] is not None]
+    if groups:
+        where = np.arange(len(groups))
+        ax_experts.bar(where - 0.2, [g[1] for g in groups], 0.4, label="same cluster",
+                       color="tab:orange")
+        ax_experts.bar(where + 0.2, [g[2] for g in groups], 0.4, label="random",
+                       color="tab:gray")
+        ax_experts.set_xticks(where, [g[0] for g in groups])
+        ax_experts.legend()
         ax_experts.set(
             title=f"held-out decode batches of {holdout['batch_size']}",
             ylabel="distinct experts per layer",
