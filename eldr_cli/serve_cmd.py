@@ -107,7 +107,7 @@ def serve(
             prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
             tau=tau, artifact_store=store_path if needs_centroids(policy) or store_path.exists()
             else None, artifact_version=artifact, model=model, online_refit=online_refit,
-            seed=seed,
+            seed=seed, decode_slots=None if attach else max_num_seqs,
         )
         typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our

@@ -222,3 +222,12 @@ def test_bounded_never_picks_an_ineligible_worker() -> None:
 def test_bounded_rejects_bad_epsilon() -> None:
     with pytest.raises(EldrError, match="epsilon"):
         EldrBoundedPolicy(2, centroids=np.eye(2, dtype=np.float32), epsilon=-1)
+
+
+def test_bounded_cap_never_exceeds_the_workers_batch_size() -> None:
+    p = make_policy("eldr-bl", 2, centroids=np.eye(2, dtype=np.float32), worker_slots=8)
+    # Without slots the cap would be ceil(1.25 * 16 / 2) = 10; a full worker (8) must spill.
+    assert p.choose(req([8, 7], features=unit([1, 0]))) == 1
+    assert p.choose(req([7, 7], features=unit([1, 0]))) == 0
+    with pytest.raises(EldrError, match="slots"):
+        make_policy("eldr-bl", 2, centroids=np.eye(2, dtype=np.float32), worker_slots=0)

@@ -330,6 +330,7 @@ def simulate(
             seed=config.seed,
             centroids=centroids if POLICIES[name].uses_signature else None,
             tau=config.tau,
+            worker_slots=config.max_batch,
         )
         run = _Run(config, arrays, workload, profiles, policy, top_k)
         run.run()

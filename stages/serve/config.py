@@ -33,6 +33,9 @@ class ProxyConfig:
     max_attempts: int = 3
     max_body_bytes: int = 8 * 1024 * 1024
     max_connections: int = 4096
+    # Each decode worker's batch size (vLLM --max-num-seqs) when known; load-capped policies
+    # keep requests off a full worker while another has room.
+    decode_slots: int | None = None
     online_refit: bool = False
     refit_window_s: float = 5.0
     refit_interval_s: float = 2.0
@@ -58,6 +61,8 @@ class ProxyConfig:
             raise EldrError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         if not math.isfinite(self.tau) or self.tau < 0:
             raise EldrError(f"tau must be a finite number >= 0, got {self.tau}")
+        if self.decode_slots is not None and self.decode_slots < 1:
+            raise EldrError(f"decode slots must be >= 1, got {self.decode_slots}")
         for name in (
             "connect_timeout_s",
             "prefill_timeout_s",

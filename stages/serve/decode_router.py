@@ -41,8 +41,10 @@ class DecodeRouter:
         artifact: ArtifactLike | None,
         seed: int = 0,
         refitter: OnlineRefitter | None = None,
+        worker_slots: int | None = None,
     ) -> None:
         self.num_workers = num_workers
+        self.worker_slots = worker_slots
         self.seed = seed
         self.refitter = refitter
         self.artifact: ArtifactLike | None = None
@@ -67,6 +69,7 @@ class DecodeRouter:
             centroids=self._centroids,
             tau=tau,
             worker_of_centroid=self._worker_of_centroid,
+            worker_slots=self.worker_slots,
         )
 
     def set_policy(self, name: str, tau: float | None = None) -> None:

@@ -88,7 +88,8 @@ def build_state(
     decode = WorkerPool(config.decode_urls, "decode")
     prefill = WorkerPool(config.prefill_urls, "prefill")
     router = DecodeRouter(
-        len(decode), config.policy, config.tau, artifact, seed=config.seed, refitter=refitter
+        len(decode), config.policy, config.tau, artifact, seed=config.seed, refitter=refitter,
+        worker_slots=config.decode_slots,
     )
     return ProxyState(
         config=config,

@@ -32,11 +32,13 @@ def make_policy(
     centroids: np.ndarray | None = None,
     tau: float = DEFAULT_TAU,
     worker_of_centroid: np.ndarray | None = None,
+    worker_slots: int | None = None,
 ) -> DecodePolicy:
     """Build policy ``name`` for ``num_workers`` decode workers.
 
     ``centroids`` (``[K, D]``, K == num_workers) and ``tau`` only matter to signature-aware
-    policies; an unknown name or ELDR without matching centroids is a user error.
+    policies, ``worker_slots`` (each worker's batch size) to load-capped ones; an unknown name
+    or ELDR without matching centroids is a user error.
     """
     cls = POLICIES.get(name)
     if cls is None:
@@ -52,8 +54,12 @@ def make_policy(
                 f" {centroids.shape[0] if centroids.ndim else 0} centroids for {num_workers}"
                 " decode workers (refit with --k equal to the decode worker count)"
             )
+        kwargs: dict[str, object] = {}
+        if issubclass(cls, EldrBoundedPolicy):
+            kwargs["worker_slots"] = worker_slots
         return cls(
-            num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid
+            num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid,
+            **kwargs,
         )
     return cls(num_workers, seed)
 

@@ -6,7 +6,9 @@ at K=2 the band is always both workers, so locality never decides. This variant 
 similarity decide and load only bound it, as consistent hashing with bounded loads does (and as
 eldr's prefill ring does): band members are tried from most to least similar, and the first
 whose in-flight count stays within ``(1 + epsilon)`` of the mean (rounded up, counting the new
-request) takes it. If every band member is over the cap, the paper's pick applies.
+request) takes it. When the workers' batch size (vLLM ``--max-num-seqs``) is known, the cap
+never exceeds it: a request past it would wait in that worker's queue while another has a free
+slot. If every band member is over the cap, the paper's pick applies.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class EldrBoundedPolicy(EldrPolicy):
         tau: float = DEFAULT_TAU,
         worker_of_centroid: np.ndarray | None = None,
         epsilon: float = DEFAULT_EPSILON,
+        worker_slots: int | None = None,
     ) -> None:
         super().__init__(
             num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid
@@ -42,12 +45,16 @@ class EldrBoundedPolicy(EldrPolicy):
         if not math.isfinite(epsilon) or epsilon < 0:
             raise EldrError(f"epsilon must be a finite number >= 0, got {epsilon}")
         self.epsilon = float(epsilon)
+        if worker_slots is not None and worker_slots < 1:
+            raise EldrError(f"worker slots must be >= 1, got {worker_slots}")
+        self.worker_slots = worker_slots
 
     def load_cap(self, request: RoutingRequest) -> int:
         """Most in-flight requests a worker may hold after taking this one."""
         eligible = request.eligible
         total = int(request.loads[eligible].sum()) + 1
-        return math.ceil((1.0 + self.epsilon) * total / int(eligible.sum()))
+        cap = math.ceil((1.0 + self.epsilon) * total / int(eligible.sum()))
+        return cap if self.worker_slots is None else min(cap, self.worker_slots)
 
     def pick_in_band(self, band: np.ndarray, s: np.ndarray, request: RoutingRequest) -> int:
         cap = self.load_cap(request)
