@@ -3,7 +3,8 @@
 #   capture (calibration split) -> fit (one centroid per decode worker) ->
 #   serve tiny-wide with 1 prefill + 2 decode workers -> bench every policy (evaluation split).
 # Knobs: DEMO_CAPTURE (prompts to capture, default all 1,000), DEMO_PROMPTS (requests per
-# policy), DEMO_RATE (req/s), DEMO_TOKENS (output tokens). Results land in $ELDR_HOME/results.
+# policy), DEMO_RATE (req/s), DEMO_CONCURRENCY (requests in flight at most), DEMO_TOKENS (output
+# tokens). Results land in $ELDR_HOME/results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,7 +18,10 @@ CAPTURE_LIMIT=()
 $ELDR capture --model tiny "${CAPTURE_LIMIT[@]}"
 $ELDR fit --k 2 --balanced
 
-$ELDR serve --model tiny-wide --prefill 1 --decode 2 --port 8000 &
+# Prefill runs on tiny itself: its KV cache is tiny-wide's (the extra expert units are zero),
+# and it skips the zero units' compute, which would otherwise make one CPU core of prefill the
+# bottleneck and keep decode batches near one request.
+$ELDR serve --model tiny-wide --prefill-model tiny --prefill 1 --decode 2 --port 8000 &
 SERVE_PID=$!
 stop_serve() { kill -TERM "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null || true; }
 trap stop_serve EXIT
@@ -29,9 +33,12 @@ for _ in $(seq 600); do
 done
 curl -sf http://127.0.0.1:8000/health >/dev/null || { echo "proxy not ready" >&2; exit 1; }
 
-$ELDR bench --url http://127.0.0.1:8000 --policies eldr,rr,jsq,random,p2c \
-  --num-prompts "${DEMO_PROMPTS:-60}" --request-rate "${DEMO_RATE:-0.6}" \
-  --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
+# Poisson arrivals with at most 16 requests in flight (the two workers' 8 batch slots each):
+# every policy then decodes full batches at the same load, the regime where the experts a
+# batch shares decide step time.
+$ELDR bench --url http://127.0.0.1:8000 --policies eldr,eldr-bl,rr,jsq,random,p2c \
+  --num-prompts "${DEMO_PROMPTS:-60}" --request-rate "${DEMO_RATE:-4}" \
+  --max-concurrency "${DEMO_CONCURRENCY:-16}" --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
 
 # The curve behind it all: decode step time against distinct experts on these workers, fitted
 # into the simulator's cost model; then an 8P16D cluster simulated with it and a GPU-like one.

@@ -188,6 +188,43 @@ def test_proxy_reports_decode_expert_metrics(deployment: Deployment) -> None:
     assert steps > 0
 
 
+def test_bench_compares_policies_on_the_live_proxy(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    env = {**os.environ, "ELDR_HOME": str(deployment.dataset.parent)}
+    out = _eldr("bench", "--url", deployment.proxy_url, "--policies", "eldr,eldr-bl,rr",
+                "--num-prompts", "4", "--request-rate", "4", "--max-tokens", "8", "--rounds",
+                "1", "--result-dir", str(tmp_path), env=env)
+    assert "best baseline: TPOT p50 rr" in out
+    for policy in ("eldr", "eldr-bl", "rr"):
+        result = json.loads((tmp_path / f"{policy}-4qps.json").read_text())
+        assert result["completed"] == 4 and result["failed"] == 0
+        assert result["median_tpot_ms"] > 0
+        # Distinct experts per decode step come from the decode workers' own counters:
+        # between one request's top-k (2) and all 16 experts.
+        assert 2 <= result["distinct_experts_per_layer"] <= 16
+    assert (tmp_path / "tpot-4qps.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) -> None:
+    from stages.bench.engine_cost import EngineCostConfig, measure_engine_cost
+    from stages.paths import EVALUATION_PROMPTS
+
+    workers = tuple(deployment.cluster.decode_urls[:1])  # type: ignore[attr-defined]
+    result = measure_engine_cost(EngineCostConfig(
+        worker_urls=workers, prompts_path=EVALUATION_PROMPTS, num_layers=4, batch_sizes=(1, 4),
+        domain_mixes=(0,), repeats=1, max_tokens=8, prefill_probes=0, model="tiny",
+    ))
+    by_size = {m.batch_size: m for m in result.measurements}
+    assert set(by_size) == {1, 4}
+    assert all(m.step_time_source == "counter" for m in result.measurements)
+    one, four = by_size[1].sample, by_size[4].sample
+    assert one.steps > 0 and one.step_s > 0
+    # One request uses exactly top-k experts per layer per step; four mixed ones use more.
+    assert one.distinct == pytest.approx(2.0)
+    assert four.distinct > one.distinct and four.batch > one.batch
+
+
 def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployment) -> None:
     """Non-streamed requests have sent nothing yet, so all must succeed via retries."""
     httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "rr"},
