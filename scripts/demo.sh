@@ -33,12 +33,12 @@ for _ in $(seq 600); do
 done
 curl -sf http://127.0.0.1:8000/health >/dev/null || { echo "proxy not ready" >&2; exit 1; }
 
-# Poisson arrivals with at most 16 requests in flight (the two workers' 8 batch slots each):
-# every policy then decodes full batches at the same load, the regime where the experts a
-# batch shares decide step time.
+# Poisson arrivals with at most 12 requests in flight: every policy decodes batches of ~6 at
+# the same load (the regime where the experts a batch shares decide step time), and with 8
+# batch slots per worker a locality policy still has room to choose.
 $ELDR bench --url http://127.0.0.1:8000 --policies eldr,eldr-bl,rr,jsq,random,p2c \
   --num-prompts "${DEMO_PROMPTS:-60}" --request-rate "${DEMO_RATE:-4}" \
-  --max-concurrency "${DEMO_CONCURRENCY:-16}" --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
+  --max-concurrency "${DEMO_CONCURRENCY:-12}" --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
 
 # The curve behind it all: decode step time against distinct experts on these workers, fitted
 # into the simulator's cost model; then an 8P16D cluster simulated with it and a GPU-like one.
