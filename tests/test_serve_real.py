@@ -213,16 +213,20 @@ def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) ->
     workers = tuple(deployment.cluster.decode_urls[:1])  # type: ignore[attr-defined]
     result = measure_engine_cost(EngineCostConfig(
         worker_urls=workers, prompts_path=EVALUATION_PROMPTS, num_layers=4, batch_sizes=(1, 4),
-        domain_mixes=(0,), repeats=1, max_tokens=8, prefill_probes=0, model="tiny",
+        domain_mixes=(1, 0), repeats=1, max_tokens=8, prefill_probes=0, model="tiny",
     ))
-    by_size = {m.batch_size: m for m in result.measurements}
-    assert set(by_size) == {1, 4}
+    assert [(m.batch_size, m.domains) for m in result.measurements][:3] == [
+        (1, 1), (1, 1), (4, 1)
+    ]
     assert all(m.step_time_source == "counter" for m in result.measurements)
-    one, four = by_size[1].sample, by_size[4].sample
-    assert one.steps > 0 and one.step_s > 0
-    # One request uses exactly top-k experts per layer per step; four mixed ones use more.
-    assert one.distinct == pytest.approx(2.0)
-    assert four.distinct > one.distinct and four.batch > one.batch
+    assert all(m.sample.steps > 0 and m.sample.step_s > 0 for m in result.measurements)
+    # One request uses exactly top-k experts per layer per step; four of mixed domains more.
+    singles = [m.sample for m in result.measurements if m.batch_size == 1]
+    assert [s.distinct for s in singles] == pytest.approx([2.0, 2.0])
+    mixed = result.measurements[-1]
+    assert mixed.batch_size == 4 and mixed.domains > 1
+    assert mixed.sample.distinct > 2.0 and mixed.sample.batch > 1
+    assert result.model.num_layers == 4
 
 
 def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployment) -> None:
