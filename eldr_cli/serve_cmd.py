@@ -13,6 +13,7 @@ from eldr_cli.options import ModelOption, SeedOption
 from stages import paths
 from stages.errors import EldrError
 from stages.serve.policies import needs_centroids
+from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
 
 
 def serve(
@@ -29,6 +30,9 @@ def serve(
     = "eldr",
     tau: Annotated[float, typer.Option(help="Locality band width for --policy eldr (0: nearest"
                                        " centroid only, 1: pure join-shortest-queue).")] = 0.1,
+    epsilon: Annotated[float, typer.Option(help="For --policy eldr-bl: a worker takes a request"
+                                           " while its in-flight count stays within (1 +"
+                                           " epsilon) x the mean.", min=0.0)] = DEFAULT_EPSILON,
     artifact: Annotated[str, typer.Option(help="Artifact version from `eldr fit` (or 'latest').")]
     = "latest",
     store: Annotated[Path | None, typer.Option(help="Artifact store. Default: $ELDR_HOME/"
@@ -103,11 +107,12 @@ def serve(
             with tqdm(total=prefill + decode, desc="workers ready", unit="worker") as bar:
                 cluster.start(on_ready=lambda server: bar.update(1))
             prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
+        use_store = needs_centroids(policy) or store_path.exists()
         config = ProxyConfig(
             prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
-            tau=tau, artifact_store=store_path if needs_centroids(policy) or store_path.exists()
-            else None, artifact_version=artifact, model=model, online_refit=online_refit,
-            seed=seed, decode_slots=None if attach else max_num_seqs,
+            tau=tau, epsilon=epsilon, artifact_store=store_path if use_store else None,
+            artifact_version=artifact, model=model, online_refit=online_refit, seed=seed,
+            decode_slots=None if attach else max_num_seqs,
         )
         typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our

@@ -362,6 +362,12 @@ def test_admin_switches_policy_at_run_time(env: Cluster) -> None:
     assert env.client.post("/admin/policy", json={"policy": "nope"}).status_code == 400
     assert env.client.post("/admin/policy", json={"policy": "eldr", "tau": "x"}).status_code == 400
     assert env.client.get("/admin/state").json()["tau"] == 0.3
+    r = env.client.post("/admin/policy", json={"policy": "eldr-bl", "epsilon": 0.5})
+    assert r.json()["policy"] == "eldr-bl" and r.json()["epsilon"] == 0.5
+    assert env.state.router.policy.epsilon == 0.5  # type: ignore[attr-defined]
+    bad = env.client.post("/admin/policy", json={"policy": "eldr-bl", "epsilon": -1})
+    assert bad.status_code == 400 and "epsilon" in bad.json()["error"]["message"]
+    assert env.client.get("/admin/state").json()["epsilon"] == 0.5  # unchanged by the refusal
 
 
 def test_admin_switches_artifact(env: Cluster) -> None:

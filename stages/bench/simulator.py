@@ -30,6 +30,7 @@ from stages.bench.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
 from stages.serve.policies import POLICIES, DecodePolicy, RoutingRequest, make_policy
 from stages.serve.policies.eldr import DEFAULT_TAU
+from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
 from stages.signature.dataset import SignatureArrays
 
 DEFAULT_POLICIES = ("eldr", "eldr-bl", "rr", "jsq", "random", "p2c")
@@ -53,6 +54,7 @@ class SimConfig:
     prefill_routing: str = "least_loaded"
     first_token_from_prefill: bool = True
     tau: float = DEFAULT_TAU
+    epsilon: float = DEFAULT_EPSILON
     step_noise: bool = True  # per-step spread of the distinct-expert count
     seed: int = 0
 
@@ -331,6 +333,7 @@ def simulate(
             centroids=centroids if POLICIES[name].uses_signature else None,
             tau=config.tau,
             worker_slots=config.max_batch,
+            epsilon=config.epsilon,
         )
         run = _Run(config, arrays, workload, profiles, policy, top_k)
         run.run()

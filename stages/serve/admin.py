@@ -27,6 +27,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
     return {
         "policy": router.policy_name,
         "tau": router.tau,
+        "epsilon": router.epsilon,
         "artifact_version": router.artifact.version if router.artifact is not None else None,
         "online_refit": refitter is not None,
         "refits": refitter.refits if refitter is not None else 0,
@@ -63,20 +64,26 @@ async def set_policy(request: Request) -> Response:
     try:
         body = await read_json_object(request, _ADMIN_BODY_LIMIT)
         name = body.get("policy")
-        tau = body.get("tau")
         if not isinstance(name, str):
             raise ProxyError(400, 'body needs "policy": a policy name', "bad_request")
-        if tau is not None and (
-            isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau)
-        ):
-            raise ProxyError(400, '"tau" must be a number', "bad_request")
-        state.router.set_policy(name, None if tau is None else float(tau))
+        tau, epsilon = _number(body, "tau"), _number(body, "epsilon")
+        state.router.set_policy(name, tau, epsilon)
     except ProxyError as exc:
         return json_error(exc.status, exc.message, exc.kind)
     except EldrError as exc:
         return json_error(400, str(exc), "bad_request")
-    log.info("policy set to %s (tau=%s)", state.router.policy_name, state.router.tau)
+    log.info("policy set to %s (tau=%s, epsilon=%s)", state.router.policy_name,
+             state.router.tau, state.router.epsilon)
     return json_response(snapshot(state))
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ProxyError(400, f'"{key}" must be a number', "bad_request")
+    return float(value)
 
 
 async def set_artifact(request: Request) -> Response:

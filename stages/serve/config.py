@@ -9,6 +9,7 @@ from pathlib import Path
 from stages.errors import EldrError
 from stages.serve.policies import POLICIES
 from stages.serve.policies.eldr import DEFAULT_TAU
+from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class ProxyConfig:
     decode_urls: tuple[str, ...]
     policy: str = "eldr"
     tau: float = DEFAULT_TAU
+    epsilon: float = DEFAULT_EPSILON  # eldr-bl's load slack over the mean
     # Where `eldr fit` wrote artifacts; None runs without one (signature-blind policies only).
     artifact_store: Path | None = None
     artifact_version: str = "latest"
@@ -61,6 +63,8 @@ class ProxyConfig:
             raise EldrError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         if not math.isfinite(self.tau) or self.tau < 0:
             raise EldrError(f"tau must be a finite number >= 0, got {self.tau}")
+        if not math.isfinite(self.epsilon) or self.epsilon < 0:
+            raise EldrError(f"epsilon must be a finite number >= 0, got {self.epsilon}")
         if self.decode_slots is not None and self.decode_slots < 1:
             raise EldrError(f"decode slots must be >= 1, got {self.decode_slots}")
         for name in (

@@ -16,6 +16,7 @@ from stages.errors import EldrError
 from stages.serve.artifact_source import ArtifactLike
 from stages.serve.online_refit import OnlineRefitter, RefitResult
 from stages.serve.policies import DecodePolicy, EldrPolicy, RoutingRequest, make_policy
+from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
 from stages.signature import wire
 
 
@@ -42,8 +43,10 @@ class DecodeRouter:
         seed: int = 0,
         refitter: OnlineRefitter | None = None,
         worker_slots: int | None = None,
+        epsilon: float = DEFAULT_EPSILON,
     ) -> None:
         self.num_workers = num_workers
+        self.epsilon = epsilon
         self.worker_slots = worker_slots
         self.seed = seed
         self.refitter = refitter
@@ -57,11 +60,11 @@ class DecodeRouter:
         if artifact is not None:
             self._install(artifact)
         self.tau = tau
-        self.policy: DecodePolicy = self._build(policy, tau)
+        self.policy: DecodePolicy = self._build(policy, tau, epsilon)
 
     # --- configuration (admin API) ---
 
-    def _build(self, name: str, tau: float) -> DecodePolicy:
+    def _build(self, name: str, tau: float, epsilon: float) -> DecodePolicy:
         return make_policy(
             name,
             self.num_workers,
@@ -70,12 +73,16 @@ class DecodeRouter:
             tau=tau,
             worker_of_centroid=self._worker_of_centroid,
             worker_slots=self.worker_slots,
+            epsilon=epsilon,
         )
 
-    def set_policy(self, name: str, tau: float | None = None) -> None:
+    def set_policy(
+        self, name: str, tau: float | None = None, epsilon: float | None = None
+    ) -> None:
         tau = self.tau if tau is None else tau
-        self.policy = self._build(name, tau)  # raises before anything changes
-        self.tau = tau
+        epsilon = self.epsilon if epsilon is None else epsilon
+        self.policy = self._build(name, tau, epsilon)  # raises before anything changes
+        self.tau, self.epsilon = tau, epsilon
 
     def set_artifact(self, artifact: ArtifactLike) -> None:
         self._install(artifact)

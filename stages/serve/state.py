@@ -89,7 +89,7 @@ def build_state(
     prefill = WorkerPool(config.prefill_urls, "prefill")
     router = DecodeRouter(
         len(decode), config.policy, config.tau, artifact, seed=config.seed, refitter=refitter,
-        worker_slots=config.decode_slots,
+        worker_slots=config.decode_slots, epsilon=config.epsilon,
     )
     return ProxyState(
         config=config,

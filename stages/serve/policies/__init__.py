@@ -11,7 +11,7 @@ import numpy as np
 from stages.errors import EldrError
 from stages.serve.policies.base import DecodePolicy, RoutingRequest
 from stages.serve.policies.eldr import DEFAULT_TAU, EldrPolicy
-from stages.serve.policies.eldr_bounded import EldrBoundedPolicy
+from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON, EldrBoundedPolicy
 from stages.serve.policies.jsq import JsqPolicy
 from stages.serve.policies.p2c import PowerOfTwoPolicy
 from stages.serve.policies.random_policy import RandomPolicy
@@ -33,11 +33,13 @@ def make_policy(
     tau: float = DEFAULT_TAU,
     worker_of_centroid: np.ndarray | None = None,
     worker_slots: int | None = None,
+    epsilon: float = DEFAULT_EPSILON,
 ) -> DecodePolicy:
     """Build policy ``name`` for ``num_workers`` decode workers.
 
     ``centroids`` (``[K, D]``, K == num_workers) and ``tau`` only matter to signature-aware
-    policies, ``worker_slots`` (each worker's batch size) to load-capped ones; an unknown name
+    policies, ``worker_slots`` (each worker's batch size) and ``epsilon`` (load slack) to
+    load-capped ones; an unknown name
     or ELDR without matching centroids is a user error.
     """
     cls = POLICIES.get(name)
@@ -56,7 +58,7 @@ def make_policy(
             )
         kwargs: dict[str, object] = {}
         if issubclass(cls, EldrBoundedPolicy):
-            kwargs["worker_slots"] = worker_slots
+            kwargs |= {"worker_slots": worker_slots, "epsilon": epsilon}
         return cls(
             num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid,
             **kwargs,
