@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--kept-layers", type=int, default=None, help="layer mask size (all)")
     ap.add_argument("--tau", type=float, default=0.1)
+    ap.add_argument("--policy", default="eldr", choices=["eldr", "eldr-bl"])
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
     x = transform.apply(sigs)
     centroids = np.stack([x[i :: args.k].mean(axis=0) for i in range(args.k)])
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
-    policy = make_policy("eldr", args.k, seed=args.seed, centroids=centroids, tau=args.tau)
+    policy = make_policy(args.policy, args.k, seed=args.seed, centroids=centroids, tau=args.tau)
     eligible = np.ones(args.k, bool)
     loads_pool = rng.integers(0, 12, size=(distinct, args.k))
     packed = [wire.encode(s) for s in sigs]
@@ -89,7 +90,7 @@ def main() -> None:
         unpack[i], decide[i] = (t1 - t0) / 1e3, (t2 - t1) / 1e3
 
     print(
-        f"ELDR routing, K={args.k}, signatures {args.layers}x{args.experts}"
+        f"{args.policy} routing, K={args.k}, signatures {args.layers}x{args.experts}"
         f" (D={transform.dim}), tau={args.tau}, {args.requests} requests, 1 thread"
     )
     print(f"  transform + choose : {percentiles(decide)}")
