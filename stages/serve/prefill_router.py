@@ -10,16 +10,19 @@ which is the 1.25x-average gate that still admits work when every queue is empty
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from stages.serve.policies.select import eligible_indices, least_loaded_lowest
+from stages.serve.policies.select import (
+    BOUNDED_LOAD_FACTOR,
+    bounded_load_capacity,
+    least_loaded_lowest,
+)
 
 PREFIX_BYTES = 1024
 VIRTUAL_NODES = 160
-LOAD_FACTOR = 1.25
+LOAD_FACTOR = BOUNDED_LOAD_FACTOR
 
 
 def _hash64(data: bytes) -> int:
@@ -65,8 +68,7 @@ class PrefillRouter:
         return int(np.searchsorted(self._ring, h, side="left")) % len(self._ring)
 
     def choose(self, key: bytes, loads: np.ndarray, eligible: np.ndarray) -> int:
-        idx = eligible_indices(eligible)
-        capacity = math.ceil(self.load_factor * (int(loads[idx].sum()) + 1) / idx.size)
+        capacity = bounded_load_capacity(loads, eligible, self.load_factor)
         for w in self._walk[self._position(key)]:
             if eligible[w] and loads[w] < capacity:
                 return w

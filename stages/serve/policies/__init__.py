@@ -39,8 +39,7 @@ def make_policy(
 
     ``centroids`` (``[K, D]``, K == num_workers) and ``tau`` only matter to signature-aware
     policies, ``worker_slots`` (each worker's batch size) and ``epsilon`` (load slack) to
-    load-capped ones; an unknown name
-    or ELDR without matching centroids is a user error.
+    load-capped ones; an unknown name or ELDR without matching centroids is a user error.
     """
     cls = POLICIES.get(name)
     if cls is None:

@@ -21,8 +21,9 @@ import numpy as np
 from stages.errors import EldrError
 from stages.serve.policies.base import RoutingRequest
 from stages.serve.policies.eldr import DEFAULT_TAU, EldrPolicy
+from stages.serve.policies.select import BOUNDED_LOAD_FACTOR, bounded_load_capacity
 
-DEFAULT_EPSILON = 0.25
+DEFAULT_EPSILON = BOUNDED_LOAD_FACTOR - 1.0
 
 
 class EldrBoundedPolicy(EldrPolicy):
@@ -51,15 +52,13 @@ class EldrBoundedPolicy(EldrPolicy):
 
     def load_cap(self, request: RoutingRequest) -> int:
         """Most in-flight requests a worker may hold after taking this one."""
-        eligible = request.eligible
-        total = int(request.loads[eligible].sum()) + 1
-        cap = math.ceil((1.0 + self.epsilon) * total / int(eligible.sum()))
+        cap = bounded_load_capacity(request.loads, request.eligible, 1.0 + self.epsilon)
         return cap if self.worker_slots is None else min(cap, self.worker_slots)
 
     def pick_in_band(self, band: np.ndarray, s: np.ndarray, request: RoutingRequest) -> int:
         cap = self.load_cap(request)
         # Stable sort: equal similarity keeps the lowest index first.
         for worker in band[np.argsort(-s[band], kind="stable")]:
-            if request.loads[worker] + 1 <= cap:
+            if request.loads[worker] < cap:
                 return int(worker)
         return super().pick_in_band(band, s, request)

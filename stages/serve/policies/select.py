@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from stages.errors import EldrError
@@ -13,6 +15,19 @@ def eligible_indices(eligible: np.ndarray) -> np.ndarray:
         # The proxy never asks without a healthy worker; reaching here is a caller bug.
         raise EldrError("no eligible decode worker to choose from")
     return idx
+
+
+# "Consistent Hashing with Bounded Loads" (Mirrokni et al.): a worker holds at most c times the
+# mean load. The prefill ring and eldr-bl both use c = 1.25.
+BOUNDED_LOAD_FACTOR = 1.25
+
+
+def bounded_load_capacity(loads: np.ndarray, eligible: np.ndarray, load_factor: float) -> int:
+    """``ceil(c * (total + 1) / n)`` over eligible workers: a worker may take one more request
+    while its in-flight count is below this. Counting the new request keeps the bound above
+    zero when every queue is empty."""
+    idx = eligible_indices(eligible)
+    return math.ceil(load_factor * (int(loads[idx].sum()) + 1) / idx.size)
 
 
 def least_loaded_lowest(loads: np.ndarray, mask: np.ndarray) -> int:
