@@ -61,7 +61,7 @@ def serve(
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.config import ProxyConfig
-    from stages.serve.launcher import Cluster, ClusterSpec, check_worker_cores
+    from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.proxy import run_proxy
 
     attach = bool(attach_prefill or attach_decode)
@@ -82,17 +82,14 @@ def serve(
     def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    cores = tuple(worker_cores.split("|")) if worker_cores else None
-    if cores is not None:
-        check_worker_cores(cores, prefill + decode)
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    cluster = Cluster(ClusterSpec(
+    cluster = Cluster(ClusterSpec(  # validates --worker-cores before anything starts
         model=resolved.source, served_name=model, prefill=prefill, decode=decode,
         prefill_model=prefill_resolved.source if prefill_resolved else None,
         base_port=worker_port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         log_dir=paths.eldr_home() / "logs",
-        worker_cores=cores,
+        worker_cores=tuple(worker_cores.split("|")) if worker_cores else None,
     ))
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         if attach:
             prefill_urls, decode_urls = list(attach_prefill or []), list(attach_decode or [])

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stages.errors import EldrError
 from stages.paths import BUNDLED_MODELS_DIR
@@ -124,8 +125,7 @@ def _download_config(hub_id: str) -> Path:
 
 def identity_from_config(config_path: Path, name: str) -> ModelIdentity:
     """L, E and top-k from a Hugging Face config, whatever the MoE family calls them."""
-    config = json.loads(Path(config_path).read_text())
-    config = config.get("text_config", config)
+    config = _text_config(config_path)
     experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts")
     top_k = _first(config, "num_experts_per_tok", "experts_per_token", "moe_top_k")
     layers = _first(config, "num_hidden_layers", "n_layers")
@@ -159,17 +159,19 @@ def check_handoff_compatible(prefill: ResolvedModel, decode: ResolvedModel) -> N
             " shares the decode model's eldr_routing_id (e.g. --model tiny-wide"
             " --prefill-model tiny), otherwise the hand-off would feed decode a foreign KV cache"
         )
-    shapes = []
-    for model in (prefill, decode):
-        config = json.loads(model.config_path.read_text())
-        config = config.get("text_config", config)
-        shapes.append({key: config.get(key) for key in _KV_SHAPE_KEYS})
-    differing = [key for key in _KV_SHAPE_KEYS if shapes[0][key] != shapes[1][key]]
+    ours, theirs = _text_config(prefill.config_path), _text_config(decode.config_path)
+    differing = [key for key in _KV_SHAPE_KEYS if ours.get(key) != theirs.get(key)]
     if differing:
         raise EldrError(
             f"--prefill-model {prefill.name} and --model {decode.name} differ in"
             f" {', '.join(differing)}: their KV caches are not interchangeable"
         )
+
+
+def _text_config(config_path: Path) -> dict[str, Any]:
+    """A Hugging Face config's language-model part (multimodal configs nest it)."""
+    config = json.loads(Path(config_path).read_text())
+    return config.get("text_config", config)
 
 
 def _first(config: dict[str, object], *keys: str) -> int | None:

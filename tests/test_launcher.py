@@ -70,3 +70,7 @@ def test_bad_worker_cores_are_user_errors() -> None:
         check_worker_cores(("x",), 1)
     with pytest.raises(EldrError, match="may not use"):
         check_worker_cores(("100000",), 1)
+    from stages.serve.launcher import ClusterSpec
+
+    with pytest.raises(EldrError, match="1 core sets for 3 workers"):  # checked on creation
+        ClusterSpec(model="/m", served_name="m", worker_cores=("0",))

@@ -35,6 +35,10 @@ class ClusterSpec:
     worker_cores: tuple[str, ...] | None = None
     extra_args: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.worker_cores is not None:
+            check_worker_cores(self.worker_cores, self.prefill + self.decode)
+
 
 def core_plan(roles: list[str], cores: list[int]) -> list[str | None]:
     """OMP core binding per server (VLLM_CPU_OMP_THREADS_BIND values), in ``roles`` order.
@@ -64,7 +68,7 @@ def core_plan(roles: list[str], cores: list[int]) -> list[str | None]:
     return plan
 
 
-def check_worker_cores(worker_cores: tuple[str, ...], num_workers: int) -> tuple[str, ...]:
+def check_worker_cores(worker_cores: tuple[str, ...], num_workers: int) -> None:
     """Validate an explicit per-worker core list against this process's allowed cores."""
     if len(worker_cores) != num_workers:
         raise EldrError(
@@ -85,13 +89,12 @@ def check_worker_cores(worker_cores: tuple[str, ...], num_workers: int) -> tuple
                 f"--worker-cores: {text!r} names cores {missing} this process may not use"
                 f" (allowed: {sorted(allowed)})"
             )
-    return worker_cores
 
 
 def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
     if spec.worker_cores is not None:
-        binding: list[str | None] = list(check_worker_cores(spec.worker_cores, len(roles)))
+        binding: list[str | None] = list(spec.worker_cores)
     else:
         cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
         binding = core_plan(roles, cores)
