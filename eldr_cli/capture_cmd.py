@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from tqdm import tqdm
 
-from eldr_cli.options import ModelOption, SeedOption
+from eldr_cli.options import EagerOption, ModelOption, SeedOption
 from stages import paths
 
 
@@ -30,6 +30,7 @@ def capture(
     = None,
     batch_size: Annotated[int, typer.Option(help="Prompts per batch (each batch is saved).",
                                             min=1)] = 64,
+    enforce_eager: EagerOption = False,
     seed: SeedOption = 0,
 ) -> None:
     """Run prompts through vLLM with eldr's plugin and store each request's prefill signature
@@ -48,7 +49,8 @@ def capture(
     with tqdm(total=len(items), unit="prompt", desc="capture") as bar:
         summary = run_capture(
             resolved, items, out, CaptureConfig(max_tokens=max_tokens, batch_size=batch_size,
-                                                seed=seed), progress=bar.update,
+                                                seed=seed, enforce_eager=enforce_eager),
+            progress=bar.update,
         )
     typer.echo(
         f"stored {summary.captured} new signatures ({summary.skipped} already there);"

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from eldr_cli.options import ModelOption, SeedOption
+from eldr_cli.options import EagerOption, ModelOption, SeedOption
 from stages import paths
 from stages.errors import EldrError
 from stages.serve.policies import needs_centroids
@@ -54,6 +54,7 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(help="Per-worker batch limit (vLLM"
                                               " --max-num-seqs).")] = 8,
     max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len.")] = 1024,
+    enforce_eager: EagerOption = False,
     seed: SeedOption = 0,
 ) -> None:
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
@@ -63,6 +64,7 @@ def serve(
     from stages.serve.config import ProxyConfig
     from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.proxy import run_proxy
+    from stages.serve.self_check import check_records_signatures
 
     attach = bool(attach_prefill or attach_decode)
     if attach and not (attach_prefill and attach_decode):
@@ -88,6 +90,7 @@ def serve(
         base_port=worker_port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         log_dir=paths.eldr_home() / "logs",
         worker_cores=tuple(worker_cores.split("|")) if worker_cores else None,
+        enforce_eager=enforce_eager,
     ))
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
@@ -104,6 +107,9 @@ def serve(
             with tqdm(total=prefill + decode, desc="workers ready", unit="worker") as bar:
                 cluster.start(on_ready=lambda server: bar.update(1))
             prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
+        if needs_centroids(policy):
+            for url in (*prefill_urls, *decode_urls):
+                check_records_signatures(url, resolved.identity, model)
         use_store = needs_centroids(policy) or store_path.exists()
         config = ProxyConfig(
             prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,

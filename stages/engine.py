@@ -59,6 +59,9 @@ class ServerSpec:
     # False only for a routing-identical prefill variant that eldr has checked itself
     # (models.check_handoff_compatible): NIXL's handshake hash includes the model path.
     nixl_compat_check: bool = True
+    # vLLM's default mode is compiled (torch.compile, plus CUDA graphs on GPU); eldr records
+    # in it, so eager is only a choice (faster start-up, slower decode on GPUs).
+    enforce_eager: bool = False
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -107,7 +110,9 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     if spec.served_name:
         argv += ["--served-model-name", spec.served_name]
     if on_cpu():
-        argv += ["--dtype", "bfloat16", "--enforce-eager"]
+        argv += ["--dtype", "bfloat16"]
+    if spec.enforce_eager:
+        argv += ["--enforce-eager"]
     if spec.enable_prefix_caching:
         argv += ["--enable-prefix-caching"]
     else:

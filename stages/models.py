@@ -39,6 +39,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("qwen3-moe", "Qwen3 30B-A3B", "Qwen/Qwen3-30B-A3B"),
         ModelPreset("gpt-oss", "gpt-oss 120B", "openai/gpt-oss-120b"),
         ModelPreset("olmoe", "OLMoE 1B-7B Instruct", "allenai/OLMoE-1B-7B-0924-Instruct"),
+        ModelPreset("qwen2-moe", "Qwen2 57B-A14B Instruct", "Qwen/Qwen2-57B-A14B-Instruct"),
+        ModelPreset("deepseek", "DeepSeek-V2-Lite Chat", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
     )
 }
 BUNDLED_HINT = "run the bundled model instead: `--model tiny` (or `--model tiny-wide`)"
@@ -124,17 +126,55 @@ def _download_config(hub_id: str) -> Path:
 
 
 def identity_from_config(config_path: Path, name: str) -> ModelIdentity:
-    """L, E and top-k from a Hugging Face config, whatever the MoE family calls them."""
+    """L, E, top-k and the MoE layer indices from a Hugging Face config, whatever the family
+    calls them. The indices follow vLLM's model code; the engine reports the layers it actually
+    built, and capture and serve check the two agree (``check_built_layers``)."""
     config = _text_config(config_path)
     experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts")
-    top_k = _first(config, "num_experts_per_tok", "experts_per_token", "moe_top_k")
+    top_k = _first(config, "num_experts_per_tok", "experts_per_token", "moe_top_k", "top_k_experts")
     layers = _first(config, "num_hidden_layers", "n_layers")
-    if experts is None or top_k is None or layers is None:
+    if not experts or not top_k or layers is None:
         raise EldrError(f"{config_path} does not describe a mixture-of-experts model")
+    moe_layers = moe_layer_indices(config, int(layers))
+    if not moe_layers:
+        raise EldrError(f"{config_path}: no layer of this model is a mixture-of-experts layer")
     # Variants that keep routing identical (tiny and tiny-wide) share one identity, so their
     # signatures and artifacts are interchangeable.
     routing_id = str(config.get("eldr_routing_id", name))
-    return ModelIdentity(routing_id, int(layers), int(experts), int(top_k))
+    return ModelIdentity(routing_id, len(moe_layers), int(experts), int(top_k), moe_layers)
+
+
+def moe_layer_indices(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Which transformer layers vLLM builds as MoE layers, by the keys families use for it."""
+
+    def is_moe(i: int) -> bool:
+        # DeepSeek V2/V3 (and GLM-4-MoE, Kimi, ...): dense first layers, then every freq-th.
+        if i < int(config.get("first_k_dense_replace") or 0):
+            return False
+        freq = config.get("moe_layer_freq")
+        if isinstance(freq, int) and freq > 1 and i % freq:
+            return False
+        # Qwen2-MoE / Qwen3-MoE: listed dense layers, then every step-th layer.
+        if i in (config.get("mlp_only_layers") or ()):
+            return False
+        step = config.get("decoder_sparse_step")
+        if isinstance(step, int) and step > 1 and (i + 1) % step:
+            return False
+        # Llama 4: MoE every step-th layer, counting from the step-th.
+        step = config.get("interleave_moe_layer_step")
+        return not (isinstance(step, int) and step > 1 and (i + 1) % step)
+
+    return tuple(i for i in range(num_layers) if is_moe(i))
+
+
+def check_built_layers(identity: ModelIdentity, built: tuple[int, ...], where: str) -> None:
+    """Refuse a model whose engine built other MoE layers than its config says."""
+    if tuple(built) != identity.moe_layers:
+        raise EldrError(
+            f"{where} built MoE layers {list(built)}, but the config of {identity.name} says"
+            f" {list(identity.moe_layers)}: this model family marks its dense layers in a way"
+            " eldr does not read yet; please report it"
+        )
 
 
 # What the KV cache a prefill worker hands over is shaped by.

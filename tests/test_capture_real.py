@@ -44,17 +44,21 @@ def _all_prompts() -> list[dict[str, str]]:
     return PROMPTS + [json.loads(line) for line in lines[::60][:12]]
 
 
-@pytest.fixture(scope="module")
-def captured(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[Path, Path]:
-    """`eldr capture` through the real CLI, one prompt per batch, with per-token tracing."""
-    work = tmp_path_factory.mktemp("capture")
+@pytest.fixture(scope="module", params=["compiled", "eager"])
+def captured(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> tuple[Path, Path]:
+    """`eldr capture` through the real CLI, one prompt per batch, with per-token tracing, in
+    vLLM's default compiled mode and in eager mode."""
+    work = tmp_path_factory.mktemp(f"capture-{request.param}")
     prompts = work / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in _all_prompts()) + "\n")
     out = work / "sig.zarr"
     trace = work / "trace"
     env = {**os.environ, "ELDR_TRACE_DIR": str(trace)}
     cmd = [sys.executable, "-m", "eldr_cli", "capture", "--model", "tiny", "--prompts",
-           str(prompts), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--batch-size", "1"]
+           str(prompts), "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--batch-size", "1",
+           f"--{'enforce-eager' if request.param == 'eager' else 'compiled'}"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return out, trace

@@ -148,6 +148,10 @@ def test_manifest_tampering_is_detected(tmp_path: Path) -> None:
         store.load(version)
     manifest["identity"]["num_layers"] = 5
     path.write_text(json.dumps(manifest))
+    with pytest.raises(EldrError, match="4 MoE layer indices for L=5"):
+        store.load(version)
+    manifest["identity"]["moe_layers"] = [0, 1, 2, 3, 4]
+    path.write_text(json.dumps(manifest))
     with pytest.raises(EldrError, match="idf has shape"):
         store.load(version)
 

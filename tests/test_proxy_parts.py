@@ -118,6 +118,8 @@ def test_decode_router_features_and_fallback() -> None:
     assert router.features({"remote_engine_id": "x"}).missing
     # Wrong [L, E] for this artifact counts as missing rather than being misread.
     assert router.features(wire.encode(np.ones((2, 16), np.int32))).missing
+    # An empty signature is a recording failure: missing, routed as without a signature.
+    assert router.features(wire.encode(np.zeros((4, 16), np.int32))).missing
     router.set_policy("rr")
     assert not router.features(kv).missing  # signature-blind policies do not look
     with pytest.raises(EldrError):

@@ -7,8 +7,9 @@ returns and later fills with the signature. Alone, it serves ``eldr capture`` (s
 per-request decode counts, ``count_decode`` in its extra config).
 
 Paths across vLLM's processes:
-- worker process: :class:`SignatureRecorder` hooks every MoE router and keeps the
-  block-indexed table;
+- worker process: every MoE router writes its top-k ids into a static buffer
+  (:mod:`stages.capture.topk_sink`, attached while vLLM builds the model) and
+  :class:`SignatureRecorder` adds them into the block-indexed table after each forward;
 - engine-core (scheduler) process: :class:`SignatureLedger` plans each step (the plan rides in
   the connector metadata vLLM sends to workers) and files the worker's report (it rides back
   in ``kv_connector_worker_meta``); it returns the signature in ``kv_transfer_params``;
@@ -83,6 +84,7 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         self._ledger: SignatureLedger | None = None
         self._pending_report: StepReport | None = None
         self._stats = EldrConnectorStats()
+        self._reported_failure = False  # logged once per engine, counted every time
         if role == KVConnectorRole.SCHEDULER:
             self._ledger = SignatureLedger(self._block_size, None, self._count_decode)
         else:
@@ -101,7 +103,7 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         context = self._vllm_config.compilation_config.static_forward_context
         restore_compute_affinity()
-        bound = self._recorder.bind(context, device)
+        bound = self._recorder.bind(context, device)  # raises if a layer lacks its buffer
         if bound == 0:
             logger.warning("eldr: no MoE router found; this model yields no signatures")
         else:
@@ -153,9 +155,23 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         assert self._ledger is not None
         report = connector_output.kv_connector_worker_meta
         report = report if isinstance(report, StepReport) else None
+        zero_before = self._ledger.zero_signatures
         self._ledger.apply(report)
         if report is not None and report.decode_steps:
             self._stats.add(report)
+        zero = self._ledger.zero_signatures - zero_before
+        unrecorded = report.unrecorded_steps if report is not None else 0
+        if zero or unrecorded:
+            self._stats.add_failures(zero, unrecorded)
+            if not self._reported_failure:
+                self._reported_failure = True
+                logger.error(
+                    "eldr: expert ids were not recorded (%d empty signatures, %d steps without"
+                    " ids): the MoE routers' recording hook is not in the model this engine"
+                    " runs. Requests are routed without a signature; counted in"
+                    " eldr_zero_signatures_total and eldr_unrecorded_steps_total.",
+                    zero, unrecorded,
+                )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

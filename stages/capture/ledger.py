@@ -43,13 +43,16 @@ class SignatureLedger:
         self._requests: dict[str, _Tracked] = {}
         self._awaiting: dict[str, _Tracked] = {}  # finished, waiting for this step's report
         self._remote: set[str] = set()
+        self.moe_layers: tuple[int, ...] = ()  # as the worker built them, once it reported
+        # Prompts whose signature came back empty: the recording hook did not run for them.
+        self.zero_signatures = 0
 
     def mark_remote(self, req_id: str) -> None:
         """The request's KV arrives from a prefill instance; there is nothing to sum here."""
         self._remote.add(req_id)
 
     def plan(self, scheduler_output: Any) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(num_tokens=int(scheduler_output.total_num_scheduled_tokens))
         scheduled = scheduler_output.num_scheduled_tokens
         remote = self._remote
         for req_id in scheduler_output.finished_req_ids:
@@ -113,11 +116,17 @@ class SignatureLedger:
 
     def apply(self, report: StepReport | None) -> None:
         if report is not None:
+            if report.moe_layers:
+                self.moe_layers = report.moe_layers
             for req_id, counts in report.signatures.items():
                 self.shape = counts.shape
                 tracked = self._requests.get(req_id) or self._awaiting.get(req_id)
                 if tracked is not None:
                     tracked.signature = counts
+                    # Every prompt token picks top_k experts in every MoE layer: an empty layer
+                    # row means the recording hook did not run.
+                    if tracked.prompt_len and not counts.sum(axis=1).all():
+                        self.zero_signatures += 1
             for req_id, counts in report.decode_counts.items():
                 tracked = self._requests.get(req_id) or self._awaiting.get(req_id)
                 if tracked is not None:
@@ -143,7 +152,7 @@ class SignatureLedger:
         if params is None:
             return
         if tracked.signature is not None:
-            params.update(wire.encode(tracked.signature))
+            params.update(wire.encode(tracked.signature, self.moe_layers))
         if self.count_decode:
             counts = tracked.decode_counts
             if counts is None and self.shape is not None:

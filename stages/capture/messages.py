@@ -29,6 +29,8 @@ class StepPlan(KVConnectorMetadata):
     skip_slots: list[int] = field(default_factory=list)
     # every token of this step is a decode token: count its distinct experts
     decode_only: bool = False
+    # tokens the forward runs (a CUDA graph may pad its batch beyond them)
+    num_tokens: int = 0
 
 
 @dataclass
@@ -39,6 +41,10 @@ class StepReport(KVConnectorWorkerMetadata):
     active_experts: np.ndarray | None = None  # int64 [L]: sum over decode steps
     decode_seconds: float = 0.0
     decode_tokens: int = 0
+    # steps whose forward did not write the top-k buffers (hook missing from the graph)
+    unrecorded_steps: int = 0
+    # transformer layer index of each signature row, sent with signatures
+    moe_layers: tuple[int, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # Tensor-parallel ranks route every token identically, so their reports agree;

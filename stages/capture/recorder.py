@@ -1,7 +1,8 @@
 """Worker side of the signature cache: expert picks added into a table indexed by KV block.
 
-Each MoE router calls ``capture_fn(topk_ids)`` after choosing experts (vLLM's ``BaseRouter``
-hook). We add every token's picks into ``table[block, layer, expert]`` where ``block`` is the
+Each MoE router copies its top-k ids into a static per-layer buffer during the forward
+(:mod:`stages.capture.topk_sink`). After the forward we add every token's picks into
+``table[block, layer, expert]`` where ``block`` is the
 physical KV block its KV slot lands in. A request's prompt signature is then the sum of its
 blocks' rows, so a prefix-cache hit reuses the counts its cached blocks got when they were
 computed, and the signature stays exact. Writing slot 0 of a block means the block was
@@ -13,26 +14,54 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from stages.capture.messages import StepPlan, StepReport
+from stages.capture.topk_sink import BUFFER_NAME, UNWRITTEN, TopkSink
 
 
-def find_moe_routers(static_forward_context: Mapping[str, object]) -> list[tuple[int, object]]:
-    """``(layer_id, router)`` of every vLLM MoE layer with the capture hook, in layer order."""
-    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+def find_moe_layers(
+    static_forward_context: Mapping[str, object],
+) -> tuple[list[tuple[int, torch.nn.Module]], list[str]]:
+    """``(layer_id, layer)`` of every MoE layer with eldr's top-k buffer, in layer order, and
+    the names of MoE layers without one (built before the plugin's hook was installed)."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import (
+        MoERunnerInterface,
+    )
 
-    found = []
-    for module in static_forward_context.values():
-        router = getattr(module, "router", None)
-        if isinstance(router, BaseRouter) and hasattr(module, "layer_id"):
-            found.append((int(module.layer_id), router))
+    found, missing = [], []
+    for name, module in static_forward_context.items():
+        if not isinstance(module, MoERunnerInterface):
+            continue
+        if hasattr(module, BUFFER_NAME):
+            found.append((int(module.layer_id), module))
+        else:
+            missing.append(name)
     found.sort(key=lambda item: item[0])
-    return found
+    return found, missing
+
+
+def _route_monolithic_kernel(layer: torch.nn.Module) -> None:
+    """Kernels that route internally never call the router hook; vLLM gives them a sink."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
+
+    quant = getattr(layer, "_quant_method", None)
+    if quant is None or not getattr(quant, "is_monolithic", False):
+        return
+    impl = getattr(getattr(quant, "moe_kernel", None), "impl", None)
+    experts = getattr(impl, "fused_experts", None)
+    supports = getattr(experts, "supports_routing_replay_capture", None)
+    if experts is None or supports is None or not supports():
+        raise RuntimeError(
+            f"MoE kernel {type(experts).__name__} routes inside the kernel and cannot report"
+            " its expert ids; start vLLM with another MoE backend to use eldr"
+        )
+    layer.routed_experts.routing_sink = RoutedExpertsSink(
+        experts.moe_config, TopkSink(layer)
+    )
 
 
 def current_slot_mapping() -> torch.Tensor | None:
@@ -52,10 +81,16 @@ def current_slot_mapping() -> torch.Tensor | None:
 class SignatureRecorder:
     """Owns the ``[num_blocks, L, E]`` table and turns a :class:`StepPlan` into a report.
 
-    Inside the forward pass each MoE layer only copies its ``topk_ids`` into a preallocated
-    ``[L, max_tokens, k]`` buffer (one small copy per layer, the kind of op a captured graph
-    can replay); all accounting happens once per step, batched over layers, after the forward.
+    Inside the forward pass each MoE layer's router only copies its top-k ids into the layer's
+    static buffer (:mod:`stages.capture.topk_sink`), which compiled graphs and CUDA graphs keep.
+    All accounting happens once per step after the forward, from those buffers and the plan's
+    token count: nothing depends on Python state that a compiled forward would not update.
     """
+
+    # Steps on which the buffers are first filled with UNWRITTEN and then checked: the first
+    # ones of the worker (a hook missing from the graph shows at once), then a sample.
+    CHECK_FIRST_STEPS = 32
+    CHECK_EVERY = 64
 
     def __init__(self, num_blocks: int, block_size: int, max_tokens: int) -> None:
         self.num_blocks = num_blocks
@@ -64,66 +99,86 @@ class SignatureRecorder:
         self.num_layers = 0
         self.num_experts = 0
         self.top_k = 0
+        self.layer_ids: list[int] = []  # transformer layer index of each MoE layer
         self.table: torch.Tensor | None = None
-        self._picks: torch.Tensor | None = None
-        self._num_tokens = 0
+        self._buffers: list[torch.Tensor] = []
         self._plan: StepPlan | None = None
         self._step_started = 0.0
+        self._steps_with_tokens = 0
+        self._checking = False
         trace_dir = os.environ.get("ELDR_TRACE_DIR")
         self._trace_dir = Path(trace_dir) if trace_dir else None
         self._trace_step = 0
 
     # -- set-up ----------------------------------------------------------------------------
     def bind(self, static_forward_context: Mapping[str, object], device: torch.device) -> int:
-        routers = find_moe_routers(static_forward_context)
-        if not routers:
+        layers, missing = find_moe_layers(static_forward_context)
+        if missing:
+            raise RuntimeError(
+                f"eldr: {len(missing)} MoE layers (e.g. {missing[0]}) were built without eldr's"
+                " top-k buffer; the eldr vLLM plugin must be loaded in the worker (is"
+                " VLLM_PLUGINS set without 'eldr'?)"
+            )
+        if not layers:
             return 0
-        self.num_layers = len(routers)
-        self.num_experts = int(routers[0][1].global_num_experts)
-        self.top_k = int(routers[0][1].top_k)
+        for _, layer in layers:
+            _route_monolithic_kernel(layer)
+        self.layer_ids = [layer_id for layer_id, _ in layers]
+        self._buffers = [getattr(layer, BUFFER_NAME) for _, layer in layers]
+        self.num_layers = len(layers)
+        self.num_experts = int(layers[0][1].router.global_num_experts)
+        self.top_k = int(self._buffers[0].shape[1])
         # int16 holds any count: one token picks an expert at most once per layer, and a block
         # has far fewer than 32k slots.
         self.table = torch.zeros(
             (self.num_blocks, self.num_layers, self.num_experts), dtype=torch.int16, device=device
         )
-        self._picks = torch.zeros(
-            (self.num_layers, self.max_tokens, self.top_k), dtype=torch.int64, device=device
-        )
         self._layer_offsets = (
             torch.arange(self.num_layers, device=device) * self.num_experts
         ).view(-1, 1, 1)
-        for index, (_, router) in enumerate(routers):
-            router.set_capture_fn(partial(self._capture, index))
         return self.num_layers
 
     # -- per step ---------------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
         self._plan = plan
-        self._num_tokens = 0
         self._step_started = time.perf_counter()
-
-    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        if self._plan is None or self._picks is None:  # profiling and warm-up runs: no plan
-            return
-        n = min(topk_ids.shape[0], self.max_tokens)
-        self._picks[layer, :n].copy_(topk_ids[:n])
-        self._num_tokens = n
+        n = min(plan.num_tokens, self.max_tokens)
+        self._checking = n > 0 and (
+            self._steps_with_tokens < self.CHECK_FIRST_STEPS
+            or self._steps_with_tokens % self.CHECK_EVERY == 0
+        )
+        if n:
+            self._steps_with_tokens += 1
+        if self._checking:
+            for buffer in self._buffers:
+                buffer[:n].fill_(UNWRITTEN)
 
     def end_step(self) -> StepReport | None:
         plan, self._plan = self._plan, None
-        if plan is None or self.table is None or self._picks is None:
+        if plan is None or self.table is None:
             return None
-        n, self._num_tokens = self._num_tokens, 0
+        n = min(plan.num_tokens, self.max_tokens)
         report = StepReport()
         slots = current_slot_mapping()
         if n and slots is not None:
-            self._account(plan, slots[:n].to(torch.int64), self._picks[:, :n], report)
+            picks = torch.stack([buffer[:n] for buffer in self._buffers]).to(torch.int64)
+            if self._checking and bool((picks == UNWRITTEN).any()):
+                # The forward did not run the hook (a graph traced or cached without it):
+                # adding these ids would corrupt the table. Report it instead.
+                report.unrecorded_steps = 1
+            else:
+                self._account(plan, slots[:n].to(torch.int64), picks, report)
+                if self._trace_dir is not None:
+                    self._dump_trace(picks)
         for req_id, blocks in plan.snapshots.items():
             rows = self.table[torch.tensor(blocks, dtype=torch.int64, device=self.table.device)]
             report.signatures[req_id] = rows.sum(0, dtype=torch.int32).cpu().numpy()
-        if self._trace_dir is not None and n:
-            self._dump_trace(self._picks[:, :n])
-        if not (report.signatures or report.decode_counts or report.decode_steps):
+        if report.signatures:
+            report.moe_layers = tuple(self.layer_ids)
+        if not (
+            report.signatures or report.decode_counts or report.decode_steps
+            or report.unrecorded_steps
+        ):
             return None
         return report
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from stages.errors import EldrError
-from stages.models import ResolvedModel
+from stages.models import ResolvedModel, check_built_layers
 from stages.prompts import Prompt
 from stages.signature import wire
 from stages.signature.dataset import CaptureRecord, SignatureDataset, prompt_digest
@@ -32,6 +32,8 @@ class CaptureConfig:
     max_num_seqs: int = 32
     kv_cache_gib: int = 1
     seed: int = 0
+    # vLLM's default is compiled (torch.compile, plus CUDA graphs on GPU); eager is a choice.
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def _start_engine(model: ResolvedModel, config: CaptureConfig) -> Any:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    extra: dict[str, Any] = {"dtype": "bfloat16", "enforce_eager": True} if on_cpu() else {}
+    extra: dict[str, Any] = {"dtype": "bfloat16"} if on_cpu() else {}
     return LLM(
         model=model.source,
         max_model_len=config.max_model_len,
@@ -85,6 +87,7 @@ def _start_engine(model: ResolvedModel, config: CaptureConfig) -> Any:
         enable_prefix_caching=True,
         kv_transfer_config=KVTransferConfig(**kv_transfer_config("plain", count_decode=True)),
         seed=config.seed,
+        enforce_eager=config.enforce_eager,
         **extra,
     )
 
@@ -125,6 +128,20 @@ def _run_batch(
             raise EldrError(
                 "vLLM returned no expert signature: is eldr installed in the environment vLLM"
                 " runs in (`pip install -e .`), and is the model a supported MoE?"
+            )
+        built = wire.decode_moe_layers(kv)
+        if built is not None:
+            check_built_layers(model.identity, built, "vLLM")
+        empty = np.flatnonzero(prefill.sum(axis=1) == 0)
+        if len(output.prompt_token_ids) and len(empty):
+            # Every prompt token picks top_k experts in every MoE layer, so an empty row means
+            # the engine ran a forward without eldr's recording hook: never store such rows.
+            layers = [model.identity.moe_layers[i] for i in empty]
+            raise EldrError(
+                f"prompt {prompt.id!r} ({len(output.prompt_token_ids)} tokens) got no expert"
+                f" counts in MoE layers {layers}: vLLM ran without eldr's recording hook (a"
+                " compile cache from another vLLM build, or a MoE kernel that routes"
+                " internally?). Nothing of this batch was stored; try --enforce-eager"
             )
         records.append(
             CaptureRecord(

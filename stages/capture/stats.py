@@ -18,12 +18,19 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from stages.capture.messages import StepReport
 
-_FIELDS = ("decode_steps", "active_experts", "decode_seconds", "decode_tokens", "num_layers")
+_FIELDS = (
+    "decode_steps", "active_experts", "decode_seconds", "decode_tokens", "num_layers",
+    "zero_signatures", "unrecorded_steps",
+)
 
 
 @dataclass
 class EldrConnectorStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(_FIELDS, 0))
+
+    def add_failures(self, zero_signatures: int, unrecorded_steps: int) -> None:
+        self.data["zero_signatures"] += zero_signatures
+        self.data["unrecorded_steps"] += unrecorded_steps
 
     def add(self, report: StepReport) -> None:
         assert report.active_experts is not None
@@ -56,7 +63,10 @@ class EldrConnectorStats(KVConnectorStats):
         }
 
     def is_empty(self) -> bool:
-        return not self.data.get("decode_steps", 0)
+        return not any(
+            self.data.get(key, 0)
+            for key in ("decode_steps", "zero_signatures", "unrecorded_steps")
+        )
 
 
 class EldrPromMetrics(KVConnectorPromMetrics):
@@ -80,6 +90,14 @@ class EldrPromMetrics(KVConnectorPromMetrics):
         )
         self.seconds = counter("eldr_decode_step_seconds", "Wall time of decode-only steps.")
         self.tokens = counter("eldr_decode_tokens", "Tokens processed by decode-only steps.")
+        self.zero_signatures = counter(
+            "eldr_zero_signatures",
+            "Prompts whose expert signature came back empty (routed as 'no signature').",
+        )
+        self.unrecorded_steps = counter(
+            "eldr_unrecorded_steps",
+            "Engine steps whose forward did not record expert ids (hook missing from the graph).",
+        )
         self.layers = self._gauge_cls(
             name="eldr_moe_layers", documentation="MoE layers per step.", labelnames=labelnames,
             multiprocess_mode="mostrecent",
@@ -87,6 +105,11 @@ class EldrPromMetrics(KVConnectorPromMetrics):
         self.layers_per_engine = create_metric_per_engine(self.layers, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in (
+            ("zero_signatures", self.zero_signatures), ("unrecorded_steps", self.unrecorded_steps)
+        ):
+            if transfer_stats_data.get(key):
+                metric[engine_idx].inc(transfer_stats_data[key])
         if not transfer_stats_data.get("decode_steps"):
             return
         self.steps[engine_idx].inc(transfer_stats_data["decode_steps"])

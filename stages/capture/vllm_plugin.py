@@ -1,7 +1,9 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: eldr``), loaded in every process.
 
-It only registers the connector class by name; nothing is recorded unless a server is started
-with ``--kv-transfer-config`` naming ``EldrSignatureConnector`` (directly or in MultiConnector).
+It registers the connector class by name and installs the construction hook that gives MoE
+layers their graph-safe top-k buffer (:mod:`stages.capture.topk_sink`). Nothing is recorded
+unless the engine's ``--kv-transfer-config`` names ``EldrSignatureConnector`` (directly or in
+MultiConnector): the hook leaves every other engine's layers untouched.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ CONNECTOR_NAME = "EldrSignatureConnector"
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    from stages.capture.topk_sink import install_construction_hook
+
     # Plugins load once per process, but a re-import (e.g. a test calling register()) must
-    # not fail on the second registration.
+    # neither fail on the second registration nor install the hook twice.
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(
             CONNECTOR_NAME, "stages.capture.connector", "EldrSignatureConnector"
         )
+        install_construction_hook()

@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,7 @@ class ArtifactStore:
         _check_arrays(arrays, identity, where="refusing to save an artifact")
         content = {
             "schema": SCHEMA_VERSION,
-            "identity": asdict(identity),
+            "identity": identity.to_dict(),
             "dataset_hash": str(dataset_hash),
             "params": _plain(params),
             "metrics": _plain(metrics),
@@ -238,11 +238,13 @@ class ArtifactStore:
         manifest = self.manifest(version)
         damaged = f"artifact {version} in {self.root} is damaged"
         try:
-            identity = ModelIdentity(**manifest["identity"])
+            identity = ModelIdentity.from_dict(manifest["identity"])
             content = {key: manifest[key] for key in _CONTENT_KEYS}
             created = str(manifest["created"])
         except (KeyError, TypeError) as exc:
             raise EldrError(f"{damaged}: manifest lacks {exc}") from exc
+        except ValueError as exc:  # an identity that contradicts itself
+            raise EldrError(f"{damaged}: {exc}") from exc
         if content["schema"] != SCHEMA_VERSION:
             raise EldrError(
                 f"artifact {version} has schema {content['schema']}, this eldr reads "
@@ -284,7 +286,7 @@ class ArtifactStore:
     def _summary(self, version: str, latest: str | None) -> ArtifactSummary:
         try:
             manifest = self.manifest(version)
-            identity = ModelIdentity(**manifest["identity"])
+            identity = ModelIdentity.from_dict(manifest["identity"])
             k, dim = manifest["arrays"]["centroids"]["shape"]
             return ArtifactSummary(
                 version=version,

@@ -122,7 +122,9 @@ class DecodeRouter:
         if not self.policy.uses_signature or self.artifact is None:
             return Features(None, missing=False)
         counts = wire.decode(kv_transfer_params, self._expected_shape)
-        if counts is None:
+        if counts is None or not counts.any():
+            # An empty signature is a recording failure (the worker counts it), not a request
+            # with no preference: count it as missing here too.
             return Features(None, missing=True)
         vector = np.asarray(self.artifact.transform.apply(counts), dtype=np.float32)
         if not vector.any():

@@ -33,6 +33,7 @@ class ClusterSpec:
     log_dir: Path = Path(".eldr/logs")
     # Explicit cores per worker (prefill workers first), e.g. ("0", "0", "1"); None: core_plan.
     worker_cores: tuple[str, ...] | None = None
+    enforce_eager: bool = False
     extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -111,6 +112,7 @@ def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
             cpu_cores=binding[i],
             nixl_side_channel_port=spec.nixl_base_port + i,
             nixl_compat_check=not mixed,
+            enforce_eager=spec.enforce_eager,
             extra_args=spec.extra_args,
         )
         for i, role in enumerate(roles)

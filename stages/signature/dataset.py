@@ -8,10 +8,11 @@ Layout (zarr v3 group, every array chunked along ``request`` and compressed):
 - ``prompt_tokens``, ``output_tokens`` int32 ``[request]``.
 - ``id``, ``domain``, ``prompt_sha256`` strings ``[request]``.
 
-Group attributes hold the schema version, the model identity (name, L, E, top_k), the vLLM
-version and ``committed``: the number of complete rows. Appends write the arrays first and
-bump ``committed`` last, so a run killed mid-append leaves rows beyond ``committed`` that the
-next open trims: nothing half-written is ever read, and nothing committed is lost.
+Group attributes hold the schema version, the model identity (name, L, E, top_k, MoE layer
+indices), the vLLM version and ``committed``: the number of complete rows. Appends write the
+arrays first and bump ``committed`` last, so a run killed mid-append leaves rows beyond
+``committed`` that the next open trims: nothing half-written is ever read, and nothing
+committed is lost.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zarr
@@ -36,19 +38,60 @@ STRING_ARRAYS = ("id", "domain", "prompt_sha256")
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What a signature means: which model, how many MoE layers/experts, how many picked."""
+    """What a signature means: which model, which MoE layers, how many experts and picks.
+
+    ``num_layers`` is L, the signature's MoE layers; ``moe_layers`` are their transformer layer
+    indices (a model with dense layers, e.g. DeepSeek's first layer, has fewer MoE layers than
+    transformer layers). Empty means layers ``0..L-1``, as identities written before the
+    indices were recorded read back.
+    """
 
     name: str
     num_layers: int
     num_experts: int
     top_k: int
+    moe_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        layers = tuple(int(i) for i in self.moe_layers) or tuple(range(self.num_layers))
+        if len(layers) != self.num_layers:
+            raise ValueError(
+                f"{self.name}: {len(layers)} MoE layer indices for L={self.num_layers}"
+            )
+        object.__setattr__(self, "moe_layers", layers)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelIdentity:
+        return cls(**{**data, "moe_layers": tuple(data.get("moe_layers") or ())})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "moe_layers": list(self.moe_layers)}
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.num_layers, self.num_experts)
 
     def describe(self) -> str:
-        return f"{self.name} (L={self.num_layers}, E={self.num_experts}, top_k={self.top_k})"
+        dense = ""
+        if self.moe_layers != tuple(range(self.num_layers)):
+            dense = f", MoE layers {_ranges(self.moe_layers)}"
+        return (
+            f"{self.name} (L={self.num_layers}, E={self.num_experts}, top_k={self.top_k}{dense})"
+        )
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``(1, 2, 3, 5)`` -> ``"1-3,5"``."""
+    parts: list[str] = []
+    start = prev = indices[0]
+    for i in (*indices[1:], None):
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -89,7 +132,7 @@ class SignatureDataset:
         self._group = group
         self.path = path
         attrs = group.attrs.asdict()
-        self.identity = ModelIdentity(**attrs["model"])
+        self.identity = ModelIdentity.from_dict(attrs["model"])
         self.vllm_version = str(attrs.get("vllm_version", "unknown"))
 
     # -- opening -------------------------------------------------------------------------
@@ -141,7 +184,7 @@ class SignatureDataset:
             {
                 "schema": SCHEMA_NAME,
                 "schema_version": SCHEMA_VERSION,
-                "model": asdict(identity),
+                "model": identity.to_dict(),
                 "vllm_version": vllm_version,
                 "committed": 0,
             }

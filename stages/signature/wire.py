@@ -14,18 +14,31 @@ import numpy as np
 
 SIGNATURE_KEY = "eldr_signature"
 SHAPE_KEY = "eldr_signature_shape"
+# Transformer layer index of each of the L rows, as the engine built its MoE layers.
+MOE_LAYERS_KEY = "eldr_moe_layers"
 MAX_COUNT = np.iinfo(np.int16).max
 
 
-def encode(counts: np.ndarray) -> dict[str, Any]:
+def encode(counts: np.ndarray, moe_layers: tuple[int, ...] = ()) -> dict[str, Any]:
     """Pack ``[L, E]`` counts for ``kv_transfer_params`` (saturating at int16 max)."""
     if counts.ndim != 2:
         raise ValueError(f"signature must be [L, E], got shape {counts.shape}")
     packed = np.clip(counts, 0, MAX_COUNT).astype("<i2")
-    return {
+    params: dict[str, Any] = {
         SIGNATURE_KEY: base64.b64encode(packed.tobytes()).decode("ascii"),
         SHAPE_KEY: [int(counts.shape[0]), int(counts.shape[1])],
     }
+    if moe_layers:
+        params[MOE_LAYERS_KEY] = [int(i) for i in moe_layers]
+    return params
+
+
+def decode_moe_layers(params: dict[str, Any] | None) -> tuple[int, ...] | None:
+    """The engine's MoE layer indices sent beside a signature, or ``None``."""
+    layers = (params or {}).get(MOE_LAYERS_KEY)
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        return None
+    return tuple(layers)
 
 
 def decode(params: dict[str, Any] | None, expected_shape: tuple[int, int] | None = None) -> (
