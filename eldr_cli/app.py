@@ -13,7 +13,15 @@ from typing import Annotated
 
 import typer
 
-from eldr_cli import artifacts_cmd, bench_cmd, capture_cmd, fit_cmd, models_cmd, serve_cmd
+from eldr_cli import (
+    artifacts_cmd,
+    bench_cmd,
+    capture_cmd,
+    fit_cmd,
+    models_cmd,
+    serve_cmd,
+    worker_args_cmd,
+)
 from stages.errors import EldrError
 
 app = typer.Typer(
@@ -42,6 +50,9 @@ app.command("bench", help="Compare routing policies on the live proxy, or simula
 app.add_typer(artifacts_cmd.app, name="artifacts", help="List and inspect fitted artifacts.")
 app.command("models", help="List model presets and whether their weights are available.")(
     models_cmd.models
+)
+app.command("worker-args", help="Print the vLLM flags your own workers need for eldr.")(
+    worker_args_cmd.worker_args
 )
 
 

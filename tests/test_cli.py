@@ -102,6 +102,23 @@ def test_capture_defaults_reach_the_runner(monkeypatch: pytest.MonkeyPatch, tmp_
     assert seen["out"] == tmp_path.resolve() / "signatures.zarr"
     assert len(seen["prompts"]) == sum(1 for _ in paths.CALIBRATION_PROMPTS.open())
     assert seen["config"].max_tokens == 32
+    assert not seen["config"].enforce_eager  # vLLM's default compiled mode
+    result = runner.invoke(app, ["capture", "--enforce-eager"])
+    assert result.exit_code == 0, result.output
+    assert seen["config"].enforce_eager
+
+
+def test_worker_args_print_the_connector_flag() -> None:
+    import json
+    import shlex
+
+    result = runner.invoke(app, ["worker-args", "decode"])
+    assert result.exit_code == 0, result.output
+    flag, value = shlex.split(result.output)
+    assert flag == "--kv-transfer-config"
+    connectors = json.loads(value)["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in connectors] == ["EldrSignatureConnector", "NixlConnector"]
+    assert runner.invoke(app, ["worker-args", "bogus"]).exit_code != 0
 
 
 def test_bench_prints_the_comparison_table_and_plots(
