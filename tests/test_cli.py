@@ -180,3 +180,18 @@ def test_prefill_model_must_share_kv_shapes(tmp_path: Path) -> None:
                       "--policy", "jsq", home=tmp_path)
     assert result.returncode == 2
     assert "num_key_value_heads" in result.stderr
+
+
+def test_version_names_eldr_and_vllm() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("eldr ") and "vLLM" in result.output
+
+
+def test_bench_without_a_proxy_points_to_serve(tmp_path: Path) -> None:
+    from tests.conftest import free_port
+
+    result = run_eldr("bench", "--url", f"http://127.0.0.1:{free_port()}", home=tmp_path)
+    assert result.returncode == 2
+    assert "eldr serve" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -21,6 +21,11 @@ class ProxyAdmin:
             response = await self._client.get(url, timeout=self._timeout)
             response.raise_for_status()
             state = response.json()
+        except httpx.ConnectError as exc:
+            raise EldrError(
+                f"no eldr proxy answers at {self._base} ({exc}): start one with `eldr serve`"
+                " (or pass --url), or run `eldr bench --simulate` without one"
+            ) from exc
         except (httpx.HTTPError, ValueError) as exc:
             raise EldrError(f"cannot read the proxy's state at {url}: {exc}") from exc
         if not isinstance(state, dict):
