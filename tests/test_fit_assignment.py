@@ -102,3 +102,35 @@ def test_single_cluster_and_bad_input() -> None:
         balanced_assignment(np.array([[0.0, np.nan]]))
     with pytest.raises(ValueError, match="capacities"):
         balanced_assignment(np.ones((4, 2)), capacities=np.array([3, 3]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_an_independent_min_cost_flow(seed: int) -> None:
+    """Cross-check on larger instances with networkx's network simplex: points -> clusters ->
+    sink, each cluster taking q units, r of them one more (through a shared overflow node)."""
+    import networkx as nx
+
+    rng = np.random.default_rng(100 + seed)
+    n, k = 1500 + 37 * seed, 8
+    scores = rng.standard_normal((n, k))
+    q, r = balanced_sizes(n, k)
+    scale = 10**6  # network simplex wants integer costs
+    graph = nx.DiGraph()
+    graph.add_node("src", demand=-n)
+    graph.add_node("sink", demand=n)
+    for i in range(n):
+        graph.add_edge("src", ("p", i), capacity=1, weight=0)
+        for j in range(k):
+            graph.add_edge(("p", i), ("c", j), capacity=1, weight=-round(scores[i, j] * scale))
+    for j in range(k):
+        graph.add_edge(("c", j), "sink", capacity=q, weight=0)
+        graph.add_edge(("c", j), "over", capacity=1, weight=0)
+    graph.add_edge("over", "sink", capacity=r, weight=0)
+    flow = nx.network_simplex(graph)[1]
+    flow_total = sum(
+        scores[i, j] for i in range(n) for j in range(k) if flow[("p", i)][("c", j)]
+    )
+    result = balanced_assignment(scores)
+    assert_balanced(np.bincount(result.labels, minlength=k), n, k)
+    ours = float(scores[np.arange(n), result.labels].sum())
+    assert ours == pytest.approx(flow_total, abs=n / scale * 2)

@@ -1,11 +1,11 @@
 """Spherical k-means on unit vectors, balanced (sizes differ by at most one) or plain.
 
-Init: greedy k-means++ with cosine distance (1 - cos, i.e. half the squared chord) on a seeded
-uniform sample of at most ``init_sample`` points. Sampling keeps the init cost independent of N:
-k-means++ needs one pass over the data per centroid, which at 1M x 6144 would cost more than
-the whole fit. Then Lloyd iterations: similarities to the centroids, an assignment (exact and
-balanced, ``balanced_assignment``, warm-started with the previous iteration's prices; or the
-argmax), and centroids = re-normalised cluster sums.
+Init: scikit-learn's greedy k-means++ (on unit rows its squared Euclidean distance is 2 (1 -
+cos)) on a seeded uniform sample of at most ``init_sample`` points. Sampling keeps the init cost
+independent of N: k-means++ needs one pass over the data per centroid, which at 1M x 6144 would
+cost more than the whole fit. Then Lloyd iterations: similarities to the centroids, an
+assignment (exact and balanced, ``balanced_assignment``, warm-started with the previous
+iteration's prices; or the argmax), and centroids = re-normalised cluster sums.
 
 Data are read in row blocks, so ``x`` may be float32 or float16 (half the memory, converted a
 block at a time) and may be a memory map. Only [N, K] similarities and [K, D] sums are held.
@@ -202,30 +202,25 @@ def _worst_points(own: np.ndarray, labels: np.ndarray, counts: np.ndarray, m: in
 
 
 def _kmeanspp(x: np.ndarray, k: int, rng: np.random.Generator, init_sample: int) -> np.ndarray:
-    """Greedy k-means++ (2 + log k trials per step, as scikit-learn) with 1 - cos distance."""
+    """Greedy k-means++ (scikit-learn's) on a seeded sample of the unit rows.
+
+    On unit vectors the squared Euclidean distance scikit-learn uses is 2 (1 - cos), so its
+    seeding is the spherical one.
+    """
+    from sklearn.cluster import kmeans_plusplus
+
     n = x.shape[0]
     pick = np.sort(rng.choice(n, size=init_sample, replace=False)) if n > init_sample else None
     sample = np.asarray(x if pick is None else x[pick], dtype=np.float32)
-    m = len(sample)
-    trials = 2 + int(np.log(k))
-    chosen = [int(rng.integers(m))]
-    closest = np.maximum(1.0 - sample @ sample[chosen[0]], 0.0)
-    for _ in range(1, k):
-        total = float(closest.sum())
-        if total <= 0:
-            # Every point coincides with a centre already: take distinct rows at random.
-            rest = np.setdiff1d(np.arange(m), chosen)
-            chosen.append(int(rng.choice(rest)))
-            continue
-        cand = np.searchsorted(np.cumsum(closest), rng.random(trials) * total)
-        cand = np.minimum(cand, m - 1)
-        # [m, trials] rather than [trials, m]: BLAS streams the big operand once either way,
-        # but this layout runs ~3x faster here.
-        dist = np.maximum(1.0 - (sample @ sample[cand].T).T, 0.0)
-        dist = np.minimum(dist, closest)
-        best = int(np.argmin(dist.sum(axis=1)))
-        chosen.append(int(cand[best]))
-        closest = dist[best]
+    _, chosen = kmeans_plusplus(sample, k, random_state=int(rng.integers(2**31 - 1)))
+    taken = set()
+    for i, row in enumerate(chosen):
+        if row in taken:
+            # Every point coincides with a centre already (k-means++ then draws a chosen row
+            # again): take a distinct row at random instead.
+            row = rng.choice(np.setdiff1d(np.arange(len(sample)), list(taken)))
+            chosen[i] = row
+        taken.add(int(row))
     centroids = sample[chosen].astype(np.float64)
     norms = np.linalg.norm(centroids, axis=1, keepdims=True)
     return (centroids / np.where(norms > 0, norms, 1.0)).astype(np.float32)
