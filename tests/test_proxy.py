@@ -159,7 +159,7 @@ def test_routes_by_signature_and_passes_kv_params(env: Cluster) -> None:
     assert kv["remote_block_ids"][1:] == [1, 2] and kv["do_remote_prefill"] is True
     # The NIXL hand-off is passed on unchanged; only eldr's signature stays behind.
     assert wire.SIGNATURE_KEY not in kv and wire.SHAPE_KEY not in kv
-    assert env.metric("eldr_router_decisions_total", policy="eldr", worker=env.state.decode.urls[2])
+    assert env.metric("eldr_router_decisions_total", policy="eldr", worker="decode-2")
 
 
 def test_stream_passthrough_chat(env: Cluster) -> None:
@@ -356,7 +356,7 @@ def test_admin_switches_policy_at_run_time(env: Cluster) -> None:
     for _ in range(3):
         assert completion(env, "domain=2").status_code == 200
     assert env.decoded_by() == ["d0", "d1", "d2"]  # signature ignored
-    assert env.metric("eldr_router_decisions_total", policy="rr", worker=env.state.decode.urls[0])
+    assert env.metric("eldr_router_decisions_total", policy="rr", worker="decode-0")
     r = env.client.post("/admin/policy", json={"policy": "eldr", "tau": 0.3})
     assert r.json()["policy"] == "eldr" and r.json()["tau"] == 0.3
     assert env.client.post("/admin/policy", json={"policy": "nope"}).status_code == 400
@@ -394,6 +394,8 @@ def test_models_health_metrics(env: Cluster) -> None:
         "eldr_router_request_errors_total",
     ):
         assert name in text
+    url = env.state.decode.urls[1]
+    assert f'eldr_router_worker_info{{role="decode",url="{url}",worker="decode-1"}} 1.0' in text
 
 
 def test_dead_workers_are_skipped_and_stay_out() -> None:

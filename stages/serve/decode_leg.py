@@ -79,7 +79,7 @@ async def run_decode(
         metrics.decision_seconds.observe(
             perf_counter() - t0 + (feature_seconds if not attempt else 0)
         )
-        metrics.decisions.labels(router.policy_name, pool.urls[worker]).inc()
+        metrics.decisions.labels(router.policy_name, pool.name(worker)).inc()
         if attempt:
             metrics.retries.labels("decode").inc()
         lease = pool.acquire(worker, router.on_complete)

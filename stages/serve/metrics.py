@@ -3,7 +3,14 @@ proxies in one process (tests, benches) do not collide."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
 
 from stages.serve.workers import WorkerPool
 
@@ -78,11 +85,18 @@ class ProxyMetrics:
             ["role", "worker"],
             registry=r,
         )
+        # Labels carry short worker names (decode-0); the URL behind each is an info metric.
+        workers = Info("eldr_router_worker", "The URL behind each worker name.", ["worker"],
+                       registry=r)
         # Read the pools at scrape time: one source of truth, nothing to keep in sync.
         for pool, gauge in ((decode, inflight), (prefill, prefill_inflight)):
             for i, url in enumerate(pool.urls):
-                gauge.labels(url).set_function(lambda p=pool, i=i: p.in_flight(i))
-                healthy.labels(pool.role, url).set_function(lambda p=pool, i=i: float(p.healthy(i)))
+                name = pool.name(i)
+                workers.labels(name).info({"url": url, "role": pool.role})
+                gauge.labels(name).set_function(lambda p=pool, i=i: p.in_flight(i))
+                healthy.labels(pool.role, name).set_function(
+                    lambda p=pool, i=i: float(p.healthy(i))
+                )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

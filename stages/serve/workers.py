@@ -36,6 +36,10 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.urls)
 
+    def name(self, index: int) -> str:
+        """Short, stable label for metrics and logs, e.g. ``decode-0``."""
+        return f"{self.role}-{index}"
+
     def loads(self) -> np.ndarray:
         return self._inflight.copy()
 
