@@ -55,6 +55,17 @@ def serve(
                                               " --max-num-seqs).")] = 8,
     max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len.")] = 1024,
     enforce_eager: EagerOption = False,
+    served_model_name: Annotated[str | None, typer.Option(
+        help="Model name clients use (vLLM --served-model-name). Default: --model as typed.",
+        show_default=False)] = None,
+    vllm_arg: Annotated[list[str] | None, typer.Option(
+        "--vllm-arg", help="Extra vLLM engine argument for every started worker (repeat), e.g."
+        " --vllm-arg='--dtype=half' --vllm-arg='--gpu-memory-utilization 0.8'. Flags eldr"
+        " sets itself (ports, kv-transfer config, model, batch limits) are refused.",
+        show_default=False)] = None,
+    log_level: Annotated[str, typer.Option(
+        help="Proxy log level: debug, info, warning, error (worker logs go to their files).",
+        case_sensitive=False)] = "warning",
     seed: SeedOption = 0,
 ) -> None:
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
@@ -62,11 +73,19 @@ def serve(
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.config import ProxyConfig
+    from stages.serve.engine_args import engine_args
     from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.proxy import run_proxy
     from stages.serve.self_check import check_records_signatures
 
+    if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        raise EldrError(f"--log-level {log_level!r}: use debug, info, warning or error")
+    extra_args = engine_args(vllm_arg or ())
+    served_as = served_model_name or model
     attach = bool(attach_prefill or attach_decode)
+    if attach and extra_args:
+        raise EldrError("--vllm-arg configures workers eldr starts; it cannot be used with"
+                        " --attach-*")
     if attach and not (attach_prefill and attach_decode):
         raise EldrError("--attach-prefill and --attach-decode must be given together")
     store_path = store or paths.default_artifact_store()
@@ -85,12 +104,13 @@ def serve(
         raise KeyboardInterrupt
 
     cluster = Cluster(ClusterSpec(  # validates --worker-cores before anything starts
-        model=resolved.source, served_name=model, prefill=prefill, decode=decode,
+        model=resolved.source, served_name=served_as, prefill=prefill, decode=decode,
         prefill_model=prefill_resolved.source if prefill_resolved else None,
         base_port=worker_port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         log_dir=paths.eldr_home() / "logs",
         worker_cores=tuple(worker_cores.split("|")) if worker_cores else None,
         enforce_eager=enforce_eager,
+        extra_args=extra_args,
     ))
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
@@ -109,18 +129,18 @@ def serve(
             prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
         if needs_centroids(policy):
             for url in (*prefill_urls, *decode_urls):
-                check_records_signatures(url, resolved.identity, model)
+                check_records_signatures(url, resolved.identity, served_as)
         use_store = needs_centroids(policy) or store_path.exists()
         config = ProxyConfig(
             prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
             tau=tau, epsilon=epsilon, artifact_store=store_path if use_store else None,
-            artifact_version=artifact, model=model, online_refit=online_refit, seed=seed,
+            artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
             decode_slots=None if attach else max_num_seqs,
         )
         typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our
         # handler turns that into KeyboardInterrupt so the workers below are still stopped.
-        run_proxy(config, host=host, port=port, log_level="warning")
+        run_proxy(config, host=host, port=port, log_level=log_level.lower())
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from stages.capture.ledger import SignatureLedger
-from stages.capture.messages import StepReport
-from stages.capture.topk_sink import UNWRITTEN, records_signatures
+from stages.capture.messages import StepPlan, StepReport
+from stages.capture.recorder import SignatureRecorder
+from stages.capture.topk_sink import UNWRITTEN, attach, records_signatures
 from stages.engine import kv_transfer_config
 
 
@@ -91,3 +92,48 @@ def test_ledger_plans_the_step_token_count_and_counts_empty_signatures() -> None
     hole[1] = 0  # one MoE layer recorded nothing
     ledger.apply(StepReport(signatures={"b": hole}))
     assert ledger.zero_signatures == 1
+
+
+class FakeMoELayer(torch.nn.Module):
+    """What the recorder reads off a vLLM MoE layer: its router's expert count and the buffer
+    eldr's construction hook attaches (through the real ``attach``)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__()
+        self.router = SimpleNamespace(global_num_experts=4, top_k=2,
+                                      set_capture_fn=lambda fn: setattr(self, "hook", fn))
+
+    def forward(self, topk_ids: torch.Tensor) -> None:
+        self.hook(topk_ids)
+
+
+def recorder_with_layers(max_tokens: int = 8) -> tuple[SignatureRecorder, list[FakeMoELayer]]:
+    layers = [FakeMoELayer(max_tokens) for _ in range(2)]
+    for layer in layers:
+        assert attach(layer, max_tokens)
+    recorder = SignatureRecorder(num_blocks=4, block_size=4, max_tokens=max_tokens)
+    assert recorder.bind_layers([(1, layers[0]), (3, layers[1])], torch.device("cpu")) == 2
+    return recorder, layers
+
+
+def test_recorder_sums_recorded_ids_into_kv_blocks() -> None:
+    recorder, layers = recorder_with_layers()
+    ids = torch.tensor([[0, 1], [0, 2], [3, 1], [0, 1], [2, 3]])  # 5 prompt tokens
+    recorder.begin_step(StepPlan(num_tokens=5, snapshots={"a": [2, 3]}))
+    for layer in layers:
+        layer(ids)
+    report = recorder.end_step(slots=torch.tensor([8, 9, 10, 11, 12]))  # blocks 2 and 3
+    assert report is not None and not report.unrecorded_steps
+    assert report.moe_layers == (1, 3)
+    expected = np.bincount(ids.flatten().numpy(), minlength=4)
+    np.testing.assert_array_equal(report.signatures["a"], np.stack([expected, expected]))
+
+
+def test_recorder_refuses_a_step_whose_forward_did_not_record() -> None:
+    recorder, layers = recorder_with_layers()
+    recorder.begin_step(StepPlan(num_tokens=3, snapshots={"a": [0]}))
+    layers[0](torch.tensor([[0, 1], [0, 2], [3, 1]]))  # the second layer's hook never ran
+    report = recorder.end_step(slots=torch.tensor([0, 1, 2]))
+    assert report is not None and report.unrecorded_steps == 1
+    # Nothing stale reached the table: the signature stays empty, and the ledger counts it.
+    assert not report.signatures["a"].any()

@@ -195,3 +195,52 @@ def test_bench_without_a_proxy_points_to_serve(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "eldr serve" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_passes_engine_args_and_served_name_to_the_workers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import stages.serve.launcher as launcher
+    from stages.errors import EldrError
+
+    seen = {}
+
+    class FakeCluster:
+        def __init__(self, spec: launcher.ClusterSpec) -> None:
+            seen["spec"] = spec
+            self.spec = spec
+
+        def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
+            raise EldrError("stopped before starting vLLM")
+
+        def stop(self) -> None:
+            seen["stopped"] = True
+
+    monkeypatch.setattr(launcher, "Cluster", FakeCluster)
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    result = runner.invoke(app, ["serve", "--policy", "rr", "--served-model-name", "my-moe",
+                                 "--vllm-arg", "--dtype=half",
+                                 "--vllm-arg=--gpu-memory-utilization 0.8"])
+    assert isinstance(result.exception, EldrError), result.output
+    spec = seen["spec"]
+    assert spec.extra_args == ("--dtype=half", "--gpu-memory-utilization", "0.8")
+    assert spec.served_name == "my-moe"
+    assert seen["stopped"]  # whatever happens after the launch starts, workers are stopped
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--vllm-arg=--port 9000"], "use --worker-port"),
+        (["--vllm-arg=--kv-transfer-config={}"], "eldr sets --kv-transfer-config itself"),
+        (["--vllm-arg=dtype"], "pass vLLM flags"),
+        (["--log-level", "loud"], "use debug, info, warning or error"),
+    ],
+)
+def test_serve_refuses_engine_args_eldr_owns(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    result = run_eldr("serve", "--policy", "rr", *args, home=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

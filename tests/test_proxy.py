@@ -384,6 +384,9 @@ def test_admin_switches_artifact(env: Cluster) -> None:
 def test_models_health_metrics(env: Cluster) -> None:
     assert env.client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
     assert env.client.get("/health").json()["status"] == "ok"
+    from importlib.metadata import version
+
+    assert env.client.get("/version").json()["version"] == version("eldr")
     text = env.client.get("/metrics").text
     for name in (
         "eldr_router_decisions_total",

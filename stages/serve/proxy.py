@@ -90,6 +90,7 @@ def create_app(
             Route("/v1/models", endpoints.models, methods=["GET"]),
             Route("/health", endpoints.health, methods=["GET"]),
             Route("/metrics", endpoints.metrics, methods=["GET"]),
+            Route("/version", endpoints.version, methods=["GET"]),
             Route("/admin/state", admin.get_state, methods=["GET"]),
             Route("/admin/policy", admin.set_policy, methods=["POST"]),
             Route("/admin/artifact", admin.set_artifact, methods=["POST"]),
@@ -98,6 +99,19 @@ def create_app(
     )
     app.state.proxy = state
     return app
+
+
+def _configure_logging(level: str) -> None:
+    """eldr's own log lines at ``level``, in vLLM's style, without raising other libraries'."""
+    logger = logging.getLogger("stages")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(
+            "(eldr proxy) %(levelname)s %(asctime)s [%(module)s] %(message)s", "%m-%d %H:%M:%S"
+        ))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level.upper())
 
 
 def run_proxy(
@@ -113,6 +127,7 @@ def run_proxy(
     # helper threads would only add wake-up latency and steal cores from co-located workers.
     threadpool_limits(1, user_api="blas")
     app = create_app(config, artifact_loader=artifact_loader)
+    _configure_logging(log_level)
     uvicorn.run(
         app,
         host=host,
