@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +13,9 @@ from tqdm import tqdm
 
 from eldr_cli.options import EagerOption, ModelOption, SeedOption
 from stages import paths
+from stages.engine import tail
+from stages.errors import EldrError
+from stages.output_redirect import output_to_file
 
 
 def capture(
@@ -45,13 +51,25 @@ def capture(
     if limit is not None:
         items = items[:limit]
     out = out or paths.default_dataset()
+    log_path = paths.eldr_home() / "logs" / f"capture-{time.strftime('%Y%m%d-%H%M%S')}.log"
     typer.echo(f"capturing {len(items)} prompts with {resolved.identity.describe()} -> {out}")
-    with tqdm(total=len(items), unit="prompt", desc="capture") as bar:
-        summary = run_capture(
-            resolved, items, out, CaptureConfig(max_tokens=max_tokens, batch_size=batch_size,
-                                                seed=seed, enforce_eager=enforce_eager),
-            progress=bar.update,
-        )
+    typer.echo(f"vLLM's output goes to {log_path}")
+    config = CaptureConfig(max_tokens=max_tokens, batch_size=batch_size, seed=seed,
+                           enforce_eager=enforce_eager)
+    with output_to_file(log_path) as console:
+        try:
+            with tqdm(total=len(items), unit="prompt", desc="capture", file=console) as bar:
+                summary = run_capture(resolved, items, out, config, progress=bar.update,
+                                      status=bar.set_description_str)
+        except EldrError:
+            raise
+        except Exception as exc:
+            traceback.print_exc()  # into the log, beside vLLM's own account of the failure
+            sys.stderr.flush()
+            raise EldrError(
+                f"capture failed ({exc.__class__.__name__}: {exc}); signatures stored so far are"
+                f" kept. Last lines of {log_path}:\n{tail(log_path)}"
+            ) from exc
     typer.echo(
         f"stored {summary.captured} new signatures ({summary.skipped} already there);"
         f" {summary.total} in {summary.path}"

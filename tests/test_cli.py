@@ -90,14 +90,20 @@ def test_capture_defaults_reach_the_runner(monkeypatch: pytest.MonkeyPatch, tmp_
 
     seen = {}
 
-    def fake_capture(model, prompts, out, config, progress=None):  # type: ignore[no-untyped-def]
+    def fake_capture(model, prompts, out, config, progress=None, status=None):  # type: ignore[no-untyped-def]
         seen.update(model=model, prompts=prompts, out=out, config=config)
+        # vLLM's engine processes write to the inherited descriptors, not to sys.stdout.
+        os.write(2, b"a vLLM log line that must not reach the terminal\n")
         return CaptureSummary(out, len(prompts), 0, len(prompts))
 
     monkeypatch.setattr(capture_runner, "capture", fake_capture)
     monkeypatch.setenv("ELDR_HOME", str(tmp_path))
     result = runner.invoke(app, ["capture"])
     assert result.exit_code == 0, result.output
+    assert "must not reach" not in result.output
+    [log] = (tmp_path / "logs").glob("capture-*.log")
+    assert "a vLLM log line" in log.read_text()
+    assert str(log) in result.output
     assert seen["model"].name == "tiny"
     assert seen["out"] == tmp_path.resolve() / "signatures.zarr"
     assert len(seen["prompts"]) == sum(1 for _ in paths.CALIBRATION_PROMPTS.open())

@@ -65,3 +65,17 @@ def test_damaged_or_foreign_store_gives_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "junk.zarr" / "zarr.json").write_text("{not json")
     with pytest.raises(EldrError):
         SignatureDataset.open(tmp_path / "junk.zarr")
+
+
+def test_xarray_opens_the_store_through_consolidated_metadata(tmp_path: Path) -> None:
+    import warnings
+
+    xr = pytest.importorskip("xarray")
+    path = tmp_path / "s.zarr"
+    SignatureDataset.create_or_open(path, TINY, "0.32.0").append(_records(3))
+    SignatureDataset.create_or_open(path, TINY, "0.32.0").append(_records(2, start=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "not consolidated" would be a RuntimeWarning
+        ds = xr.open_zarr(path, consolidated=True)
+    assert ds["prefill_counts"].shape == (5, 4, 16)
+    assert ds["prefill_counts"].dims == ("request", "layer", "expert")

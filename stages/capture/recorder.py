@@ -119,10 +119,14 @@ class SignatureRecorder:
                 " top-k buffer; the eldr vLLM plugin must be loaded in the worker (is"
                 " VLLM_PLUGINS set without 'eldr'?)"
             )
-        if not layers:
-            return 0
         for _, layer in layers:
             _route_monolithic_kernel(layer)
+        return self.bind_layers(layers, device)
+
+    def bind_layers(self, layers: list[tuple[int, torch.nn.Module]], device: torch.device) -> int:
+        """Read the given ``(layer_id, layer)`` buffers, in order; returns L."""
+        if not layers:
+            return 0
         self.layer_ids = [layer_id for layer_id, _ in layers]
         self._buffers = [getattr(layer, BUFFER_NAME) for _, layer in layers]
         self.num_layers = len(layers)
@@ -153,13 +157,14 @@ class SignatureRecorder:
             for buffer in self._buffers:
                 buffer[:n].fill_(UNWRITTEN)
 
-    def end_step(self) -> StepReport | None:
+    def end_step(self, slots: torch.Tensor | None = None) -> StepReport | None:
+        """This step's report; ``slots`` defaults to the forward context's token -> KV slot map."""
         plan, self._plan = self._plan, None
         if plan is None or self.table is None:
             return None
         n = min(plan.num_tokens, self.max_tokens)
         report = StepReport()
-        slots = current_slot_mapping()
+        slots = current_slot_mapping() if slots is None else slots
         if n and slots is not None:
             picks = torch.stack([buffer[:n] for buffer in self._buffers]).to(torch.int64)
             if self._checking and bool((picks == UNWRITTEN).any()):

@@ -50,7 +50,10 @@ def capture(
     out: Path,
     config: CaptureConfig,
     progress: Callable[[int], None] | None = None,
+    status: Callable[[str], None] | None = None,
 ) -> CaptureSummary:
+    """Capture the prompts not yet in ``out``; ``progress`` hears of finished prompts and
+    ``status`` of the phase (engine start-up, capturing)."""
     from vllm import __version__ as vllm_version
 
     dataset = SignatureDataset.create_or_open(out, model.identity, vllm_version)
@@ -60,7 +63,12 @@ def capture(
     if progress is not None and skipped:
         progress(skipped)
     if todo:
+        if status is not None:
+            mode = "eager" if config.enforce_eager else "compiled: the first start compiles"
+            status(f"starting vLLM ({mode})")
         engine = _start_engine(model, config)
+        if status is not None:
+            status("capture")
         try:
             for batch in _batches(todo, config.batch_size):
                 dataset.append(_run_batch(engine, model, batch, config))

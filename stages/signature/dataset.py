@@ -18,6 +18,7 @@ committed is lost.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,7 +145,11 @@ class SignatureDataset:
                 f"no signature dataset at {path}; run `eldr capture` first (or pass --data)"
             )
         try:
-            group = zarr.open_group(str(path), mode="r+" if writable else "r")
+            # Our own reads never trust consolidated metadata: a run killed mid-append leaves it
+            # one append behind the arrays (it is rewritten after every commit, for xarray).
+            group = zarr.open_group(
+                str(path), mode="r+" if writable else "r", use_consolidated=False
+            )
         except Exception as exc:  # zarr raises many types for a damaged store
             raise EldrError(f"{path} is not a readable zarr signature dataset: {exc}") from exc
         attrs = group.attrs.asdict()
@@ -209,6 +214,7 @@ class SignatureDataset:
                 name, shape=(0,), dtype=str, chunks=(CHUNK_ROWS * 16,),
                 dimension_names=["request"],
             )
+        _consolidate(group)
         return cls(group, path)
 
     # -- reading -------------------------------------------------------------------------
@@ -268,6 +274,7 @@ class SignatureDataset:
             array.resize((n + len(records), *array.shape[1:]))
             array[n:] = values
         self._group.attrs["committed"] = n + len(records)
+        _consolidate(self._group)
 
     def _check_arrays(self) -> None:
         for name in COUNT_ARRAYS:
@@ -284,3 +291,12 @@ class SignatureDataset:
             array = self._group[name]
             if array.shape[0] > n:
                 array.resize((n, *array.shape[1:]))
+        _consolidate(self._group)
+
+
+def _consolidate(group: zarr.Group) -> None:
+    """Rewrite the consolidated metadata (what xarray opens first) after a commit."""
+    with warnings.catch_warnings():
+        # zarr notes that consolidated metadata is not yet in the v3 spec; xarray relies on it.
+        warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+        zarr.consolidate_metadata(group.store)
