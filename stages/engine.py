@@ -62,6 +62,8 @@ class ServerSpec:
     # vLLM's default mode is compiled (torch.compile, plus CUDA graphs on GPU); eldr records
     # in it, so eager is only a choice (faster start-up, slower decode on GPUs).
     enforce_eager: bool = False
+    gpu: int | None = None  # the one device this worker sees (CUDA_VISIBLE_DEVICES)
+    gpu_memory_utilization: float | None = None
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -113,6 +115,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--dtype", "bfloat16"]
     if spec.enforce_eager:
         argv += ["--enforce-eager"]
+    if spec.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.enable_prefix_caching:
         argv += ["--enable-prefix-caching"]
     else:
@@ -129,6 +133,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores or "nobind"
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
+    if spec.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = _physical_gpu(spec.gpu)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.update(spec.extra_env)
     return argv, env
@@ -201,6 +207,14 @@ class VllmServer:
             pass
         self.proc.wait()
         self._log.close()
+
+
+def _physical_gpu(index: int) -> str:
+    """The ``index``-th GPU this process may use, as CUDA_VISIBLE_DEVICES names it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return visible.split(",")[index].strip()
+    return str(index)
 
 
 def parse_cores(text: str) -> list[int]:

@@ -202,9 +202,16 @@ def test_comparison_against_fake_proxy(tmp_path: Path) -> None:
 
     saved = orjson.loads((tmp_path / "out" / "eldr-200qps.json").read_bytes())
     assert saved["completed"] == 10 and saved["policy"] == "eldr"
-    assert len(saved["itls"]) == 10 and len(saved["errors"]) == 2
-    assert any("HTTP 500" in e for e in saved["errors"])
-    assert any("decode worker lost" in e for e in saved["errors"])
+    # As vLLM's detailed files: one entry per request in every per-request list.
+    for key in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
+                "queue_times", "generated_texts", "errors"):
+        assert len(saved[key]) == 12, key
+    failed = [e for e in saved["errors"] if e]
+    assert len(failed) == 2
+    assert any("HTTP 500" in e for e in failed)
+    assert any("decode worker lost" in e for e in failed)
+    assert saved["max_concurrent_requests"] <= 3  # the bench's --max-concurrency
+    assert saved["max_output_tokens_per_s"] > 0
 
     table = format_comparison(comparison.metrics(), "fake")
     assert "eldr" in table and "best baseline: TPOT p50 rr" in table

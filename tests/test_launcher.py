@@ -74,3 +74,21 @@ def test_bad_worker_cores_are_user_errors() -> None:
 
     with pytest.raises(EldrError, match="1 core sets for 3 workers"):  # checked on creation
         ClusterSpec(model="/m", served_name="m", worker_cores=("0",))
+
+
+def test_gpu_workers_get_one_device_each_and_share_memory_when_they_must() -> None:
+    from stages.serve.launcher import gpu_plan
+
+    assert gpu_plan(3, 4) == [(0, 0.9), (1, 0.9), (2, 0.9)]
+    assert gpu_plan(3, 1) == [(0, 0.3), (0, 0.3), (0, 0.3)]
+    assert gpu_plan(3, 2) == [(0, 0.45), (1, 0.45), (0, 0.45)]
+
+
+def test_gpu_worker_command_names_its_device(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from stages.engine import ServerSpec, server_command
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    argv, env = server_command(ServerSpec(model="m", port=1, gpu=1, gpu_memory_utilization=0.45))
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert "--enforce-eager" not in argv  # vLLM's default compiled mode

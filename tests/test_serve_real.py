@@ -206,6 +206,34 @@ def test_bench_compares_policies_on_the_live_proxy(
     assert (tmp_path / "tpot-4qps.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_results_files_carry_every_key_of_vllms_own_benchmark(
+    deployment: Deployment, tmp_path: Path, tiny_model: Path
+) -> None:
+    """`vllm bench serve --save-result --save-detailed` against the proxy, and `eldr bench`:
+    every key of vLLM's file is in eldr's, and eldr's lists have one entry per request."""
+    vllm_dir, eldr_dir = tmp_path / "vllm", tmp_path / "eldr"
+    cmd = [sys.executable, "-m", "tests.vllm_cli", "bench", "serve", "--backend", "openai",
+           "--base-url", deployment.proxy_url, "--endpoint", "/v1/completions",
+           "--model", "tiny", "--tokenizer", str(tiny_model), "--dataset-name", "random",
+           "--random-input-len", "24", "--random-output-len", "6", "--num-prompts", "3",
+           "--request-rate", "inf", "--save-result", "--save-detailed",
+           "--result-dir", str(vllm_dir), "--result-filename", "vllm.json", "--seed", "0"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    theirs = json.loads((vllm_dir / "vllm.json").read_text())
+    assert theirs["completed"] == 3
+    env = {**os.environ, "ELDR_HOME": str(deployment.dataset.parent)}
+    _eldr("bench", "--url", deployment.proxy_url, "--policies", "rr", "--num-prompts", "3",
+          "--max-tokens", "6", "--rounds", "1", "--result-dir", str(eldr_dir), env=env)
+    [path] = eldr_dir.glob("rr-*.json")
+    ours = json.loads(path.read_text())
+    assert not set(theirs) - set(ours), f"missing in eldr's file: {set(theirs) - set(ours)}"
+    assert ours["model_id"] == "tiny" and ours["tokenizer_id"] == "tiny"
+    for key, value in theirs.items():
+        if isinstance(value, list) and len(value) == theirs["num_prompts"]:
+            assert len(ours[key]) == ours["num_prompts"], key
+
+
 def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) -> None:
     from stages.bench.engine_cost import EngineCostConfig, measure_engine_cost
     from stages.paths import EVALUATION_PROMPTS

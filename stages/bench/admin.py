@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import httpx
 
 from stages.errors import EldrError
+
+log = logging.getLogger(__name__)
 
 
 class ProxyAdmin:
@@ -31,6 +34,17 @@ class ProxyAdmin:
         if not isinstance(state, dict):
             raise EldrError(f"{url} returned {type(state).__name__}, expected a JSON object")
         return state
+
+    async def served_model(self) -> str | None:
+        """The model name the proxy's workers serve (results files name it, as vLLM's do)."""
+        try:
+            response = await self._client.get(f"{self._base}/v1/models", timeout=self._timeout)
+            response.raise_for_status()
+            return str(response.json()["data"][0]["id"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            # The comparison does not need it; the results file then says null.
+            log.warning("cannot read the served model name from %s/v1/models: %s", self._base, exc)
+            return None
 
     async def set_policy(self, name: str) -> dict[str, Any]:
         """Switch the decode policy and confirm it took effect; returns the new state."""

@@ -56,6 +56,7 @@ async def stream_completion(
     """Send one streaming completion; ``origin`` is the ``perf_counter`` of the run's start."""
     url = base_url.rstrip("/") + "/v1/completions"
     chunks: list[float] = []
+    texts: list[str] = []
     usage: dict[str, int] = {}
     error = ""
     start = time.perf_counter()
@@ -71,7 +72,7 @@ async def stream_completion(
                 body = (await response.aread()).decode("utf-8", "replace")
                 error = f"HTTP {response.status_code}: {body[:500]}"
             else:
-                error = await _consume_sse(response, chunks, usage)
+                error = await _consume_sse(response, chunks, texts, usage)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     if not error and not chunks:
@@ -87,11 +88,14 @@ async def stream_completion(
         latency_s=chunks[-1] - start,
         itl_s=tuple(b - a for a, b in itertools.pairwise(chunks)),
         start_s=start - origin,
+        generated_text="".join(texts),
         **common,
     )
 
 
-async def _consume_sse(response: httpx.Response, chunks: list[float], usage: dict[str, int]) -> str:
+async def _consume_sse(
+    response: httpx.Response, chunks: list[float], texts: list[str], usage: dict[str, int]
+) -> str:
     """Read the SSE stream into token times and usage; returns an error text or ''."""
     done = False
     async for line in response.aiter_lines():
@@ -112,6 +116,9 @@ async def _consume_sse(response: httpx.Response, chunks: list[float], usage: dic
             return f"stream error: {orjson.dumps(obj['error']).decode()[:500]}"
         if obj.get("choices"):
             chunks.append(time.perf_counter())
+            choice = obj["choices"][0]
+            if isinstance(choice, dict) and isinstance(choice.get("text"), str):
+                texts.append(choice["text"])
         if isinstance(obj.get("usage"), dict):
             usage.update({k: v for k, v in obj["usage"].items() if isinstance(v, int)})
     return "" if done else "stream closed before [DONE]"

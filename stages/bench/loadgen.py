@@ -28,7 +28,13 @@ from tqdm import tqdm
 from stages.bench.admin import ProxyAdmin, decode_worker_urls
 from stages.bench.arrivals import poisson_arrivals
 from stages.bench.client import CompletionSettings, stream_completion
-from stages.bench.metrics import RequestRecord, RequestTable, summarize
+from stages.bench.metrics import (
+    RequestRecord,
+    RequestTable,
+    max_concurrent_requests,
+    max_output_tokens_per_s,
+    summarize,
+)
 from stages.bench.results import ComparisonResult, PolicyResult, rate_label, save_comparison
 from stages.bench.worker_metrics import (
     ExpertStats,
@@ -105,6 +111,9 @@ class _SegmentOutcome:
     records: list[RequestRecord]  # measured requests only (after warm-up)
     duration_s: float
     experts: ExpertStats | None
+    # vLLM's peak figures, per round: rounds run one after another, never side by side.
+    peak_output_tokens_per_s: float = 0.0
+    peak_concurrent_requests: int = 0
 
 
 class _Runner:
@@ -170,7 +179,7 @@ class _Runner:
                 async with semaphore:
                     record = await call
             self.progress.update(1)
-            return record
+            return replace(record, queue_s=max(0.0, record.start_s - offsets[i]))
 
         async def scrape_after_warmup() -> Scrape | None:
             await asyncio.sleep(max(0.0, origin + cfg.warmup_s - time.perf_counter()))
@@ -188,13 +197,18 @@ class _Runner:
         if before is not None and after is not None:
             experts = expert_stats(before, after, cfg.num_layers)
         kept = [r for r, keep in zip(records, measured, strict=True) if keep]
-        return _SegmentOutcome(kept, end - origin - cfg.warmup_s, experts)
+        return _SegmentOutcome(
+            kept, end - origin - cfg.warmup_s, experts,
+            max_output_tokens_per_s(kept), max_concurrent_requests(kept),
+        )
 
 
 def _policy_result(name: str, outcomes: list[_SegmentOutcome]) -> PolicyResult:
     records = [r for o in outcomes for r in o.records]
     table = RequestTable.from_records(records)
     metrics = summarize(table, sum(o.duration_s for o in outcomes))
+    metrics["max_output_tokens_per_s"] = max(o.peak_output_tokens_per_s for o in outcomes)
+    metrics["max_concurrent_requests"] = max(o.peak_concurrent_requests for o in outcomes)
     stats = [o.experts for o in outcomes]
     if stats and all(s is not None for s in stats):
         total = stats[0]
@@ -221,6 +235,7 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
         if not worker_urls:
             log.warning("no decode worker URLs (proxy state or --decode-urls): no expert counts")
         initial_policy = state.get("policy")
+        model_id = config.model or await admin.served_model()
         outcomes: dict[str, list[_SegmentOutcome]] = {p: [] for p in config.policies}
         policy_states: dict[str, dict] = {}
         with tqdm(
@@ -240,7 +255,8 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
     results = {p: _policy_result(p, outcomes[p]) for p in config.policies}
     info: dict[str, object] = {
         "url": config.url,
-        "model_id": config.model,
+        "model_id": model_id,
+        "tokenizer_id": model_id,
         "num_prompts": len(prompts),
         "max_concurrency": config.max_concurrency,
         "max_tokens": config.max_tokens,

@@ -10,6 +10,7 @@ empty column cannot pass for a perfect one.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ class RequestRecord:
     error: str = ""
     prompt_id: str = ""
     domain: str = ""
+    queue_s: float = 0.0  # from its scheduled arrival to its send (a concurrency cap's wait)
+    generated_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -122,3 +125,26 @@ def summarize(
     result |= _stats("itl", table.itl_s, percentiles)
     result |= _stats("e2el", table.latency_s[ok], percentiles)
     return result
+
+
+def max_output_tokens_per_s(records: Sequence[RequestRecord]) -> float:
+    """Most output tokens that arrived within one second of the run (vLLM's peak figure)."""
+    times = [
+        t
+        for r in records
+        if r.success
+        for t in np.cumsum([r.start_s + r.ttft_s, *r.itl_s])
+    ]
+    if not times:
+        return 0.0
+    return float(np.bincount(np.floor(np.asarray(times) - min(times)).astype(int)).max())
+
+
+def max_concurrent_requests(records: Sequence[RequestRecord]) -> int:
+    """Most requests in flight at once, from send to last token (or failure)."""
+    events = sorted(
+        (t, step)
+        for r in records
+        for t, step in ((r.start_s, 1), (r.start_s + (r.latency_s if r.success else 0.0), -1))
+    )
+    return int(max(itertools.accumulate(step for _, step in events), default=0))

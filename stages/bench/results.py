@@ -1,8 +1,8 @@
 """What one benchmark (real or simulated) produced, and how it is saved.
 
-Each policy's file keeps ``vllm bench serve``'s JSON shape (its metric keys, plus the
-per-request ``input_lens``/``output_lens``/``ttfts``/``itls``/``errors`` lists when the run had
-real requests), with eldr's additions (policy, expert counters) alongside.
+Each policy's file keeps ``vllm bench serve``'s JSON shape (its keys, and for a live run its
+per-request lists, one entry per request), with eldr's additions (policy, expert counters)
+alongside, so the tooling that reads vLLM's files reads eldr's.
 """
 
 from __future__ import annotations
@@ -56,22 +56,34 @@ def rate_label(rate: float) -> str:
 def policy_json(
     result: PolicyResult, request_rate: float, info: dict[str, object]
 ) -> dict[str, object]:
+    """One policy's file: ``vllm bench serve --save-result --save-detailed``'s keys (a live
+    run's per-request lists hold one entry per request, failures included, as vLLM's do), and
+    eldr's additions (policy, expert counters, proxy state) beside them."""
     out: dict[str, object] = {
         "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai",
         "backend": "eldr",
+        "label": result.policy,
         "policy": result.policy,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+        "burstiness": 1.0,  # Poisson arrivals
         **info,
         **result.metrics,
     }
     if result.records:
-        ok = [r for r in result.records if r.success]
+        records = result.records
         out |= {
-            "input_lens": [r.prompt_tokens for r in ok],
-            "output_lens": [r.output_tokens for r in ok],
-            "ttfts": [r.ttft_s for r in ok],
-            "itls": [list(r.itl_s) for r in ok],
-            "errors": [r.error for r in result.records if not r.success],
+            "request_goodput": None,
+            "rtfx": 0.0,
+            "input_lens": [r.prompt_tokens for r in records],
+            "output_lens": [r.output_tokens for r in records],
+            "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
+            "itls": [list(r.itl_s) for r in records],
+            "latencies": [r.latency_s if r.success else 0.0 for r in records],
+            "start_times": [r.start_s for r in records],  # from the start of its round
+            "queue_times": [r.queue_s for r in records],
+            "generated_texts": [r.generated_text for r in records],
+            "errors": [r.error for r in records],
         }
     return out
 

@@ -69,6 +69,23 @@ def core_plan(roles: list[str], cores: list[int]) -> list[str | None]:
     return plan
 
 
+def gpu_plan(num_workers: int, num_gpus: int) -> list[tuple[int, float]]:
+    """(GPU index, --gpu-memory-utilization) per worker: workers spread round-robin over the
+    GPUs, and workers sharing a GPU split vLLM's default 0.9 of its memory between them."""
+    if num_gpus < 1:
+        raise EldrError("no GPU is visible (CUDA_VISIBLE_DEVICES?), but vLLM's GPU build is"
+                        " installed; on a CPU machine install the cpu extra")
+    sharing = -(-num_workers // num_gpus)
+    share = round(0.9 / sharing, 2)
+    return [(i % num_gpus, share) for i in range(num_workers)]
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 def check_worker_cores(worker_cores: tuple[str, ...], num_workers: int) -> None:
     """Validate an explicit per-worker core list against this process's allowed cores."""
     if len(worker_cores) != num_workers:
@@ -99,6 +116,8 @@ def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
     else:
         cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
         binding = core_plan(roles, cores)
+    # On GPUs each worker sees one device; workers sharing one split its memory.
+    gpus = None if on_cpu() else gpu_plan(len(roles), visible_gpus())
     mixed = spec.prefill_model is not None and spec.prefill_model != spec.model
     return [
         ServerSpec(
@@ -113,6 +132,8 @@ def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
             nixl_side_channel_port=spec.nixl_base_port + i,
             nixl_compat_check=not mixed,
             enforce_eager=spec.enforce_eager,
+            gpu=gpus[i][0] if gpus else None,
+            gpu_memory_utilization=gpus[i][1] if gpus else None,
             extra_args=spec.extra_args,
         )
         for i, role in enumerate(roles)
