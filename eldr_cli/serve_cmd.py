@@ -77,10 +77,13 @@ def serve(
     from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.proxy import run_proxy
     from stages.serve.self_check import check_records_signatures
+    from stages.vllm_compat import check_vllm
 
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         raise EldrError(f"--log-level {log_level!r}: use debug, info, warning or error")
     extra_args = engine_args(vllm_arg or ())
+    if not (attach_prefill or attach_decode):
+        check_vllm()  # attached workers run their own vLLM: the self-check covers them
     served_as = served_model_name or model
     attach = bool(attach_prefill or attach_decode)
     if attach and extra_args:

