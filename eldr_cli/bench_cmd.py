@@ -113,7 +113,10 @@ def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
                                      f"{url}: {comparison.request_rate:g} req/s,"
                                      f" {num_prompts} requests"
                                      f" per policy, {max_tokens} output tokens"))
-    for path in write_plots(sweep, result_dir):
+    workers = sweep[0].info.get("decode_urls") or []
+    shape = f"{len(workers)} decode workers behind " if workers else ""
+    source = f"live, {shape}{url}, {num_prompts} requests per policy"
+    for path in write_plots(sweep, result_dir, source):
         typer.echo(f"plot: {path}")
     typer.echo(f"results: {result_dir}")
 
@@ -183,5 +186,6 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
         typer.echo(format_comparison(
             comparison.metrics(), f"simulated {prefill}P{decode}D, {rate:g} req/s,"
             f" {duration:g} s, {model.name} cost, {identity.describe()}"))
-    for path in write_plots(sweep, result_dir, prefix="sim-"):
+    source = f"simulated {prefill}P{decode}D, {model.name} cost, {identity.name}"
+    for path in write_plots(sweep, result_dir, source, prefix="sim-"):
         typer.echo(f"plot: {path}")

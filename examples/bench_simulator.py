@@ -124,7 +124,9 @@ def main() -> int:
                 )
                 print(format_comparison(comparison.metrics(), title), end="\n\n", flush=True)
             if args.plots:
-                for path in write_plots(sweep, args.plots, prefix=f"scenario{n}-"):
+                source = (f"simulated {args.prefill}P{args.decode}D, {scenario.label},"
+                          f" {scenario.cost.name} cost")
+                for path in write_plots(sweep, args.plots, source, prefix=f"scenario{n}-"):
                     print(f"wrote {path}")
     except EldrError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -215,7 +215,7 @@ def test_comparison_against_fake_proxy(tmp_path: Path) -> None:
 
     table = format_comparison(comparison.metrics(), "fake")
     assert "eldr" in table and "best baseline: TPOT p50 rr" in table
-    paths = write_plots([comparison], tmp_path / "plots")
+    paths = write_plots([comparison], tmp_path / "plots", "live, fake proxy")
     assert paths and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
