@@ -63,6 +63,15 @@ def serve(
         " --vllm-arg='--dtype=half' --vllm-arg='--gpu-memory-utilization 0.8'. Flags eldr"
         " sets itself (ports, kv-transfer config, model, batch limits) are refused.",
         show_default=False)] = None,
+    api_key: Annotated[str | None, typer.Option(
+        envvar=["ELDR_API_KEY", "VLLM_API_KEY"], help="Key clients must send (Authorization:"
+        " Bearer) on /v1 and /admin routes, as vLLM's --api-key.", show_default=False)] = None,
+    admin_api_key: Annotated[str | None, typer.Option(
+        envvar="ELDR_ADMIN_API_KEY", help="A separate key for the /admin routes (policy and"
+        " artifact switches). Default: --api-key.", show_default=False)] = None,
+    worker_api_key: Annotated[str | None, typer.Option(
+        envvar="ELDR_WORKER_API_KEY", help="Key the proxy sends to attached workers started"
+        " with vLLM's --api-key.", show_default=False)] = None,
     log_level: Annotated[str, typer.Option(
         help="Proxy log level: debug, info, warning, error (worker logs go to their files).",
         case_sensitive=False)] = "warning",
@@ -72,7 +81,8 @@ def serve(
     the routing proxy in front of them. Ctrl-C or SIGTERM stops everything started."""
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
-    from stages.serve.config import ProxyConfig
+    from stages.serve.auth import warn_if_exposed
+    from stages.serve.config import ProxyConfig, check_key
     from stages.serve.engine_args import engine_args
     from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.proxy import run_proxy
@@ -86,6 +96,12 @@ def serve(
         check_vllm()  # attached workers run their own vLLM: the self-check covers them
     served_as = served_model_name or model
     attach = bool(attach_prefill or attach_decode)
+    for name, key in (("--api-key", api_key), ("--admin-api-key", admin_api_key),
+                      ("--worker-api-key", worker_api_key)):
+        check_key(name, key)  # before anything starts
+    exposed = warn_if_exposed(host, api_key)
+    if exposed is not None:
+        typer.secho(f"eldr: warning: {exposed}", fg=typer.colors.YELLOW, err=True)
     if attach and extra_args:
         raise EldrError("--vllm-arg configures workers eldr starts; it cannot be used with"
                         " --attach-*")
@@ -132,13 +148,14 @@ def serve(
             prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
         if needs_centroids(policy):
             for url in (*prefill_urls, *decode_urls):
-                check_records_signatures(url, resolved.identity, served_as)
+                check_records_signatures(url, resolved.identity, served_as, worker_api_key)
         use_store = needs_centroids(policy) or store_path.exists()
         config = ProxyConfig(
             prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
             tau=tau, epsilon=epsilon, artifact_store=store_path if use_store else None,
             artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
             decode_slots=None if attach else max_num_seqs,
+            api_key=api_key, admin_api_key=admin_api_key, worker_api_key=worker_api_key,
         )
         typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our

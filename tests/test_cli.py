@@ -241,6 +241,7 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
         (["--vllm-arg=--kv-transfer-config={}"], "eldr sets --kv-transfer-config itself"),
         (["--vllm-arg=dtype"], "pass vLLM flags"),
         (["--log-level", "loud"], "use debug, info, warning or error"),
+        (["--api-key", " spaced "], "--api-key must be printable ASCII"),
     ],
 )
 def test_serve_refuses_engine_args_eldr_owns(
@@ -250,3 +251,30 @@ def test_serve_refuses_engine_args_eldr_owns(
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_serve_on_an_open_address_without_a_key_warns(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import stages.serve.launcher as launcher
+    from stages.errors import EldrError
+
+    class StopAtStart:
+        def __init__(self, spec: launcher.ClusterSpec) -> None:
+            self.spec = spec
+
+        def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
+            raise EldrError("stopped before starting vLLM")
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(launcher, "Cluster", StopAtStart)
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    monkeypatch.delenv("ELDR_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    exposed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0"])
+    assert "has no API key" in exposed.output
+    keyed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0"],
+                          env={"ELDR_API_KEY": "secret-key"})
+    assert "has no API key" not in keyed.output

@@ -19,8 +19,8 @@ IDENTITY = ModelIdentity("m", 2, 4, 2, (1, 2))
 def answer(monkeypatch: pytest.MonkeyPatch, params: dict[str, Any] | None) -> list[dict]:
     sent: list[dict] = []
 
-    def post(url: str, json: dict, timeout: float) -> httpx.Response:
-        sent.append(json)
+    def post(url: str, json: dict, headers: dict, timeout: float) -> httpx.Response:
+        sent.append({**json, "headers": headers})
         body = {"choices": [{"text": "x"}], "kv_transfer_params": params}
         return httpx.Response(200, json=body, request=httpx.Request("POST", url))
 
@@ -30,8 +30,9 @@ def answer(monkeypatch: pytest.MonkeyPatch, params: dict[str, Any] | None) -> li
 
 def test_a_recording_worker_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     sent = answer(monkeypatch, wire.encode(np.full((2, 4), 3, np.int32), (1, 2)))
-    self_check.check_records_signatures("http://w", IDENTITY, "m")
+    self_check.check_records_signatures("http://w", IDENTITY, "m", api_key="k")
     assert sent[0]["model"] == "m" and sent[0]["max_tokens"] == 1
+    assert sent[0]["headers"] == {"Authorization": "Bearer k"}
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_workers_that_would_route_blind_are_refused(
 
 
 def test_an_unreachable_worker_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    def post(url: str, json: dict, timeout: float) -> httpx.Response:
+    def post(url: str, json: dict, headers: dict, timeout: float) -> httpx.Response:
         raise httpx.ConnectError("refused")
 
     monkeypatch.setattr(self_check.httpx, "post", post)

@@ -11,13 +11,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from stages.errors import EldrError
-from stages.serve.request_body import read_json_object
+from stages.serve.payloads import bad_request, read_json_body
+from stages.serve.policies import POLICIES
 from stages.serve.responses import ProxyError, json_error, json_response
 from stages.serve.state import ProxyState
 
 log = logging.getLogger(__name__)
 
 _ADMIN_BODY_LIMIT = 64 * 1024
+_POLICY_KEYS = frozenset(("policy", "tau", "epsilon"))
+_ARTIFACT_KEYS = frozenset(("version",))
 
 
 def snapshot(state: ProxyState) -> dict[str, Any]:
@@ -60,48 +63,69 @@ async def get_state(request: Request) -> Response:
 
 
 async def set_policy(request: Request) -> Response:
+    """Switch policy, tau or epsilon: every value is checked before anything changes.
+
+    Checking only what the new policy uses would store, say, a negative epsilon with "rr"
+    and break a later switch to eldr-bl that keeps it.
+    """
     state: ProxyState = request.app.state.proxy
     try:
-        body = await read_json_object(request, _ADMIN_BODY_LIMIT)
+        body = await _admin_body(request, _POLICY_KEYS)
         name = body.get("policy")
-        if not isinstance(name, str):
-            raise ProxyError(400, 'body needs "policy": a policy name', "bad_request")
-        tau, epsilon = _number(body, "tau"), _number(body, "epsilon")
+        if not isinstance(name, str) or name not in POLICIES:
+            raise bad_request(
+                f'"policy" must be one of {sorted(POLICIES)}, got {name!r}', "policy"
+            )
+        tau = _bounded(body, "tau", 0.0, 1.0)
+        epsilon = _bounded(body, "epsilon", 0.0, math.inf)
         state.router.set_policy(name, tau, epsilon)
     except ProxyError as exc:
-        return json_error(exc.status, exc.message, exc.kind)
-    except EldrError as exc:
+        return exc.response()
+    except EldrError as exc:  # e.g. eldr without an artifact: refused before any change
         return json_error(400, str(exc), "bad_request")
     log.info("policy set to %s (tau=%s, epsilon=%s)", state.router.policy_name,
              state.router.tau, state.router.epsilon)
     return json_response(snapshot(state))
 
 
-def _number(body: dict[str, Any], key: str) -> float | None:
+async def _admin_body(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
+    # A misspelt key ("eps") silently ignored would leave the operator believing it applied.
+    body = await read_json_body(request, _ADMIN_BODY_LIMIT)
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad_request(f"unknown keys {unknown}; accepted: {sorted(allowed)}", unknown[0])
+    return body
+
+
+def _bounded(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
+    """``body[key]`` as a float in ``[low, high]``; None when absent (keep the current one)."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ProxyError(400, f'"{key}" must be a number', "bad_request")
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not low <= value <= high:
+        upper = "" if math.isinf(high) else f" and <= {high:g}"
+        raise bad_request(f'"{key}" must be a number >= {low:g}{upper}, got {value!r}', key)
     return float(value)
 
 
 async def set_artifact(request: Request) -> Response:
+    """Load and switch to another artifact version; a refused one changes nothing."""
     state: ProxyState = request.app.state.proxy
     store = state.config.artifact_store
     try:
-        body = await read_json_object(request, _ADMIN_BODY_LIMIT)
+        body = await _admin_body(request, _ARTIFACT_KEYS)
         version = body.get("version")
-        if not isinstance(version, str) or not version:
-            raise ProxyError(400, 'body needs "version": an artifact version', "bad_request")
+        if not isinstance(version, str) or not version.strip():
+            raise bad_request('body needs "version": an artifact version', "version")
         if store is None:
             raise ProxyError(409, "the proxy was started without an artifact store", "conflict")
         # Loading reads files; keep the event loop serving meanwhile.
         artifact = await asyncio.to_thread(state.artifact_loader, store, version)
         state.router.set_artifact(artifact)
     except ProxyError as exc:
-        return json_error(exc.status, exc.message, exc.kind)
+        return exc.response()
     except (EldrError, OSError) as exc:
-        return json_error(400, f"cannot load artifact: {exc}", "bad_request")
+        return json_error(400, f"cannot load artifact: {exc}", "bad_request", param="version")
     log.info("artifact %s loaded", state.router.artifact.version if state.router.artifact else "")
     return json_response(snapshot(state))

@@ -13,16 +13,16 @@ from starlette.responses import Response
 
 from stages.serve.decode_leg import run_decode
 from stages.serve.disconnect import unless_client_leaves
-from stages.serve.payloads import prefill_body, prompt_key
+from stages.serve.payloads import check_request_body, prefill_body, prompt_key, read_json_body
 from stages.serve.prefill_leg import run_prefill
-from stages.serve.request_body import read_json_object
-from stages.serve.responses import ProxyError, UpstreamClientError, json_error
+from stages.serve.responses import ProxyError, UpstreamClientError
 from stages.serve.state import ProxyState
 
 log = logging.getLogger(__name__)
 
-# Client headers worth carrying to the workers (vLLM's --api-key checks Authorization).
-_FORWARDED = ("authorization", "traceparent", "tracestate")
+# Client headers worth carrying to the workers. Not Authorization: the client's key is the
+# proxy's to check, and workers get the proxy's own key (upstream.worker_headers).
+_FORWARDED = ("traceparent", "tracestate")
 
 
 async def completions(request: Request) -> Response:
@@ -54,7 +54,8 @@ async def _handle(request: Request, chat: bool) -> Response:
     reply_headers = {"X-Request-Id": request_id}
     path = request.url.path
     try:
-        body = await read_json_object(request, state.config.max_body_bytes)
+        body = await read_json_body(request, state.config.max_body_bytes)
+        check_request_body(body, chat)
         if state.config.model is not None:
             body.setdefault("model", state.config.model)
         headers = _upstream_headers(request, request_id)
@@ -69,7 +70,7 @@ async def _handle(request: Request, chat: bool) -> Response:
     except ProxyError as exc:
         metrics.request_errors.labels(exc.kind).inc()
         log.warning("request %s: %s", request_id, exc.message)
-        return json_error(exc.status, exc.message, exc.kind, reply_headers)
+        return exc.response(reply_headers)
     except UpstreamClientError as exc:
         metrics.request_errors.labels("upstream_rejected").inc()
         return exc.response(reply_headers)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.errors import EldrError
@@ -42,6 +42,13 @@ class ProxyConfig:
     refit_window_s: float = 5.0
     refit_interval_s: float = 2.0
     seed: int = 0
+    # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and /admin/*, and
+    # `admin_api_key` (when set, instead of `api_key`) on /admin/*. `worker_api_key` is what the
+    # proxy sends to its workers; a client's own key is never passed on. Kept out of repr so a
+    # logged config never shows them.
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    worker_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Accept lists from callers that build configs from JSON/CLI, but store tuples so the
@@ -82,3 +89,19 @@ class ProxyConfig:
             raise EldrError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_body_bytes < 1 or self.max_connections < 1:
             raise EldrError("max_body_bytes and max_connections must be >= 1")
+        for name in ("api_key", "admin_api_key", "worker_api_key"):
+            check_key(name, getattr(self, name))
+
+
+def check_key(name: str, key: str | None) -> None:
+    # An empty key would read as "auth on" to a reader and as "off" to vLLM; and a key that
+    # cannot travel in a header as sent (non-ASCII, control characters, edge spaces) could never
+    # match. The message never repeats the key.
+    if key is None:
+        return
+    if not isinstance(key, str) or not key:
+        raise EldrError(f"{name} must be a non-empty string (or unset)")
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise EldrError(
+            f"{name} must be printable ASCII without leading or trailing spaces"
+        )

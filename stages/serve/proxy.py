@@ -14,16 +14,22 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Route
 from threadpoolctl import threadpool_limits
 
 from stages.serve import admin, endpoints
 from stages.serve.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.auth import auth_middleware
 from stages.serve.completions import chat_completions, completions
 from stages.serve.config import ProxyConfig
 from stages.serve.health import health_loop
 from stages.serve.online_refit import FitFn, balanced_fit
 from stages.serve.refit_task import refit_loop
+from stages.serve.responses import InternalErrorMiddleware, http_error
 from stages.serve.state import ProxyState, build_state
 from stages.serve.upstream import open_session
 
@@ -95,10 +101,21 @@ def create_app(
             Route("/admin/policy", admin.set_policy, methods=["POST"]),
             Route("/admin/artifact", admin.set_artifact, methods=["POST"]),
         ],
+        # Outermost first: an unexpected error anywhere, the key check included, still gets
+        # the JSON error shape; keys are checked before routing, as vLLM does, so an unknown
+        # /v1 path answers 401 without a key.
+        middleware=[Middleware(InternalErrorMiddleware), *auth_middleware(config)],
+        exception_handlers={HTTPException: http_error, ClientDisconnect: _client_gone},
         lifespan=_lifespan,
     )
     app.state.proxy = state
     return app
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # A client that left mid-body reads no answer; 499 keeps it out of the server-error count.
+    log.info("%s %s: client left while sending its body", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 def _configure_logging(level: str) -> None:

@@ -20,13 +20,17 @@ PROBE_PROMPT = "eldr self-check: one short prompt must come back with an expert 
 
 
 def check_records_signatures(
-    url: str, identity: ModelIdentity, model_name: str | None, timeout_s: float = 120.0
+    url: str, identity: ModelIdentity, model_name: str | None, api_key: str | None = None,
+    timeout_s: float = 120.0,
 ) -> None:
     body: dict[str, object] = {"prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
     if model_name:
         body["model"] = model_name
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+        response = httpx.post(
+            f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s
+        )
         response.raise_for_status()
         params = response.json().get("kv_transfer_params")
     except (httpx.HTTPError, ValueError) as exc:

@@ -38,6 +38,17 @@ def leg_timeout(read_s: float, connect_s: float) -> aiohttp.ClientTimeout:
     )
 
 
+def worker_headers(config: ProxyConfig) -> dict[str, str]:
+    """Headers on every request to a worker (completions, /v1/models, health checks).
+
+    The one place the worker key is added: workers started with vLLM's --api-key want it on
+    /v1/*, and the client's own key (checked by the proxy) is never passed on.
+    """
+    if config.worker_api_key is None:
+        return {}
+    return {"Authorization": f"Bearer {config.worker_api_key}"}
+
+
 def open_session(config: ProxyConfig) -> aiohttp.ClientSession:
     """The session every upstream request of one proxy goes through (call inside its loop)."""
     connector = aiohttp.TCPConnector(
@@ -45,6 +56,7 @@ def open_session(config: ProxyConfig) -> aiohttp.ClientSession:
     )
     return aiohttp.ClientSession(
         connector=connector,
+        headers=worker_headers(config),
         timeout=leg_timeout(config.decode_timeout_s, config.connect_timeout_s),
         # Bytes are relayed as they come, never decompressed and re-compressed.
         auto_decompress=False,
