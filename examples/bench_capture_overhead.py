@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32, help="requests per round")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="seconds of quiet before each timed batch")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -75,6 +77,9 @@ def main() -> None:
         # Rotate the order so no engine always runs first (or right after another's load).
         order = ENGINES[r % 3:] + ENGINES[: r % 3]
         for name in order:
+            # The engine that just ran keeps its OpenMP threads spinning for a while; let them
+            # park so they do not steal this engine's cores.
+            time.sleep(args.settle)
             start = time.perf_counter()
             outputs = engines[name].generate(inputs, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
@@ -84,6 +89,8 @@ def main() -> None:
         if r > 0:
             cells = "   ".join(f"{name} {rates[name][-1]:7.0f}" for name in ENGINES)
             print(f"round {r}: output tok/s   {cells}")
+    for name in ENGINES:
+        print(f"{name:>10}: median {statistics.median(rates[name]):7.0f} output tok/s")
     for name in ENGINES[1:]:
         ratios = [a / b for a, b in zip(rates[name], rates["plain"], strict=True)]
         print(f"median throughput ratio {name} / plain (default mode): "

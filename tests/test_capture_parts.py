@@ -137,3 +137,21 @@ def test_recorder_refuses_a_step_whose_forward_did_not_record() -> None:
     assert report is not None and report.unrecorded_steps == 1
     # Nothing stale reached the table: the signature stays empty, and the ledger counts it.
     assert not report.signatures["a"].any()
+
+
+def test_router_hook_records_when_the_layer_is_compiled() -> None:
+    layer = FakeMoELayer(max_tokens=8)
+    assert attach(layer, 8)
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm.code)
+        return gm.forward
+
+    compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=True)
+    ids = torch.tensor([[3, 1], [0, 2], [1, 3]])
+    compiled(ids)
+    # The traced graph holds eldr's op (its mutation declared), not a bare in-place copy.
+    assert any("eldr.record_topk" in code for code in graphs), graphs
+    torch.testing.assert_close(layer.eldr_topk_ids[:3], ids.to(torch.int32))
+    assert (layer.eldr_topk_ids[3:] == UNWRITTEN).all()
