@@ -5,11 +5,13 @@ engines on the same model take turns on the same request batches (prefill plus d
 prompts every round so prefix caching never skips the work), so machine drift hits all alike:
 
 - ``plain``: vLLM's defaults, no eldr connector;
+- ``plain-again``: the same engine a second time, the control: how far two identical engines
+  drift apart on this machine, i.e. the smallest difference this run can resolve;
 - ``eldr``: the same defaults with eldr's connector (what ``eldr serve`` runs now);
 - ``eldr-eager``: eldr's connector with ``enforce_eager`` (what eldr forced before).
 
-Prints each engine's output tokens/s per round and the median ratio to ``plain`` (goal for
-``eldr``: >= 0.95).
+Prints each engine's output tokens/s per round, its median, and the ratios to ``plain`` (goal
+for ``eldr``: >= 0.95, read against the control's ratio).
 
     .venv/bin/python examples/bench_capture_overhead.py --model tiny --rounds 4
 """
@@ -26,7 +28,7 @@ from stages.models import resolve_model
 from stages.paths import EVALUATION_PROMPTS
 from stages.prompts import load_prompts
 
-ENGINES = ("plain", "eldr", "eldr-eager")
+ENGINES = ("plain", "plain-again", "eldr", "eldr-eager")
 
 
 def build_engines(source: str, max_num_seqs: int) -> dict[str, Any]:
@@ -44,6 +46,7 @@ def build_engines(source: str, max_num_seqs: int) -> dict[str, Any]:
     eldr = KVTransferConfig(**kv_transfer_config("plain"))
     return {
         "plain": LLM(**common),
+        "plain-again": LLM(**common),
         "eldr": LLM(**common, kv_transfer_config=eldr),
         "eldr-eager": LLM(**common, kv_transfer_config=eldr, enforce_eager=True),
     }
@@ -66,7 +69,7 @@ def main() -> None:
     model = resolve_model(args.model)
     started = time.perf_counter()
     engines = build_engines(model.source, max_num_seqs=args.batch)
-    print(f"3 engines ready in {time.perf_counter() - started:.0f} s")
+    print(f"{len(engines)} engines ready in {time.perf_counter() - started:.0f} s")
     prompts = load_prompts(EVALUATION_PROMPTS)
     tokenizer = engines["plain"].get_tokenizer()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -75,7 +78,7 @@ def main() -> None:
         batch = prompts[r * args.batch : (r + 1) * args.batch]
         inputs = [{"prompt_token_ids": tokenizer.encode(p.prompt)[-512:]} for p in batch]
         # Rotate the order so no engine always runs first (or right after another's load).
-        order = ENGINES[r % 3:] + ENGINES[: r % 3]
+        order = ENGINES[r % len(ENGINES):] + ENGINES[: r % len(ENGINES)]
         for name in order:
             # The engine that just ran keeps its OpenMP threads spinning for a while; let them
             # park so they do not steal this engine's cores.
@@ -89,8 +92,10 @@ def main() -> None:
         if r > 0:
             cells = "   ".join(f"{name} {rates[name][-1]:7.0f}" for name in ENGINES)
             print(f"round {r}: output tok/s   {cells}")
+    plain = statistics.median(rates["plain"])
     for name in ENGINES:
-        print(f"{name:>10}: median {statistics.median(rates[name]):7.0f} output tok/s")
+        median = statistics.median(rates[name])
+        print(f"{name:>11}: median {median:7.0f} output tok/s  ({median / plain:.3f} x plain)")
     for name in ENGINES[1:]:
         ratios = [a / b for a, b in zip(rates[name], rates["plain"], strict=True)]
         print(f"median throughput ratio {name} / plain (default mode): "
