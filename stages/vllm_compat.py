@@ -9,6 +9,7 @@ failing somewhere inside a worker. Version differences, when there are any, live
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from stages.errors import EldrError
 
@@ -44,3 +45,15 @@ def check_vllm() -> str:
             f" releases): {INSTALL_HINT}"
         )
     return release
+
+
+def routed_experts_sink() -> Any | None:
+    """vLLM's sink for MoE kernels that route inside the kernel (0.32 and later), or None
+    where the release has none (0.31: such kernels cannot report their expert ids)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsSink,
+        )
+    except ImportError:
+        return None
+    return RoutedExpertsSink

@@ -46,22 +46,21 @@ def find_moe_layers(
 
 def _route_monolithic_kernel(layer: torch.nn.Module) -> None:
     """Kernels that route internally never call the router hook; vLLM gives them a sink."""
-    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
+    from stages.vllm_compat import routed_experts_sink
 
     quant = getattr(layer, "_quant_method", None)
     if quant is None or not getattr(quant, "is_monolithic", False):
         return
+    sink = routed_experts_sink()
     impl = getattr(getattr(quant, "moe_kernel", None), "impl", None)
     experts = getattr(impl, "fused_experts", None)
     supports = getattr(experts, "supports_routing_replay_capture", None)
-    if experts is None or supports is None or not supports():
+    if sink is None or experts is None or supports is None or not supports():
         raise RuntimeError(
             f"MoE kernel {type(experts).__name__} routes inside the kernel and cannot report"
-            " its expert ids; start vLLM with another MoE backend to use eldr"
+            " its expert ids with this vLLM release; start vLLM with another MoE backend"
         )
-    layer.routed_experts.routing_sink = RoutedExpertsSink(
-        experts.moe_config, TopkSink(layer)
-    )
+    layer.routed_experts.routing_sink = sink(experts.moe_config, TopkSink(layer))
 
 
 def current_slot_mapping() -> torch.Tensor | None:
