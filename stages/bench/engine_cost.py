@@ -228,14 +228,15 @@ def measure_engine_cost(config: EngineCostConfig) -> EngineCostResult:
 
 def format_engine_cost(result: EngineCostResult) -> str:
     lines = [
-        f"{'worker':<28} {'sent':>4} {'dom':>3} {'batch':>6} {'experts/L':>9}"
-        f" {'step ms':>8} {'model ms':>8} {'steps':>6}"
+        "decode step time against distinct experts, measured on the live decode workers",
+        f"{'worker':<28} {'batch sent':>10} {'domains':>7} {'mean batch':>10} {'experts/L':>9}"
+        f" {'step ms':>8} {'fit ms':>8} {'steps':>6}",
     ]
     for m in result.measurements:
         s = m.sample
         predicted = float(result.model.step_time(s.batch, s.distinct)) * 1000
         lines.append(
-            f"{m.worker_url:<28} {m.batch_size:>4} {m.domains:>3} {s.batch:>6.2f}"
+            f"{m.worker_url:<28} {m.batch_size:>10} {m.domains:>7} {s.batch:>10.2f}"
             f" {s.distinct:>9.2f} {s.step_s * 1000:>8.2f} {predicted:>8.2f} {s.steps:>6.0f}"
             + ("" if m.step_time_source == "counter" else "  (client TPOT)")
         )
