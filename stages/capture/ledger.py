@@ -123,9 +123,7 @@ class SignatureLedger:
                 tracked = self._requests.get(req_id) or self._awaiting.get(req_id)
                 if tracked is not None:
                     tracked.signature = counts
-                    # Every prompt token picks top_k experts in every MoE layer: an empty layer
-                    # row means the recording hook did not run.
-                    if tracked.prompt_len and not counts.sum(axis=1).all():
+                    if tracked.prompt_len and len(wire.empty_layers(counts)):
                         self.zero_signatures += 1
             for req_id, counts in report.decode_counts.items():
                 tracked = self._requests.get(req_id) or self._awaiting.get(req_id)

@@ -141,10 +141,9 @@ def _run_batch(
         built = wire.decode_moe_layers(kv)
         if built is not None:
             check_built_layers(model.identity, built, "vLLM")
-        empty = np.flatnonzero(prefill.sum(axis=1) == 0)
+        empty = wire.empty_layers(prefill)
         if len(output.prompt_token_ids) and len(empty):
-            # Every prompt token picks top_k experts in every MoE layer, so an empty row means
-            # the engine ran a forward without eldr's recording hook: never store such rows.
+            # Never store rows of a forward that ran without the recording hook.
             layers = [model.identity.moe_layers[i] for i in empty]
             raise EldrError(
                 f"prompt {prompt.id!r} ({len(output.prompt_token_ids)} tokens) got no expert"

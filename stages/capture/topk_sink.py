@@ -2,9 +2,10 @@
 
 vLLM's routers call ``capture_fn(topk_ids)`` right after choosing experts. What runs there must
 survive torch.compile (on CPU, Dynamo traces straight through the MoE layer) and CUDA-graph
-replay (no Python runs at all). So the hook does exactly one thing: a registered custom op,
-``eldr::record_topk``, copies the ids into a static buffer owned by the layer, with that buffer
-declared as mutated so the compiler keeps the op in the graph and a captured graph replays it.
+replay (no Python runs at all). So the hook does exactly one thing: it copies the ids into a
+static buffer owned by the layer. When traced, the copy is a registered custom op,
+``eldr::record_topk``, with that buffer declared as mutated so the compiler keeps the op in the
+graph; in eager code (and so in a CUDA graph captured from it) it is the plain copy.
 Everything else (which tokens are real, which KV block they land in) happens outside the graph,
 once per step, in :class:`stages.capture.recorder.SignatureRecorder`.
 
@@ -45,7 +46,7 @@ def _record_topk_fake(buffer: torch.Tensor, topk_ids: torch.Tensor) -> None:
 
 
 class TopkSink:
-    """The router's ``capture_fn``: one custom-op call into its layer's buffer.
+    """The router's ``capture_fn``: one copy of the ids into its layer's buffer.
 
     The buffer is looked up on the layer at call time (not captured once) so a module moved or
     rebuilt by vLLM after construction still writes into the buffer the recorder reads.

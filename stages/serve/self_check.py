@@ -13,6 +13,7 @@ import httpx
 
 from stages.errors import EldrError
 from stages.models import check_built_layers
+from stages.serve.upstream import bearer_header
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 
@@ -26,7 +27,7 @@ def check_records_signatures(
     body: dict[str, object] = {"prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
     if model_name:
         body["model"] = model_name
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer_header(api_key)
     try:
         response = httpx.post(
             f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s
@@ -50,7 +51,7 @@ def check_records_signatures(
     built = wire.decode_moe_layers(params if isinstance(params, dict) else None)
     if built is not None:
         check_built_layers(identity, built, f"worker {url}")
-    if not counts.sum(axis=1).all():
+    if len(wire.empty_layers(counts)):
         raise EldrError(
             f"worker {url} returned an empty expert signature for its self-check prompt: its"
             " model runs without eldr's recording hook (a compile cache from a run without"

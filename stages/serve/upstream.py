@@ -38,15 +38,18 @@ def leg_timeout(read_s: float, connect_s: float) -> aiohttp.ClientTimeout:
     )
 
 
+def bearer_header(key: str | None) -> dict[str, str]:
+    """vLLM's ``--api-key`` header for ``key``; none without one."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def worker_headers(config: ProxyConfig) -> dict[str, str]:
     """Headers on every request to a worker (completions, /v1/models, health checks).
 
     The one place the worker key is added: workers started with vLLM's --api-key want it on
     /v1/*, and the client's own key (checked by the proxy) is never passed on.
     """
-    if config.worker_api_key is None:
-        return {}
-    return {"Authorization": f"Bearer {config.worker_api_key}"}
+    return bearer_header(config.worker_api_key)
 
 
 def open_session(config: ProxyConfig) -> aiohttp.ClientSession:

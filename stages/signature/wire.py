@@ -33,6 +33,15 @@ def encode(counts: np.ndarray, moe_layers: tuple[int, ...] = ()) -> dict[str, An
     return params
 
 
+def empty_layers(counts: np.ndarray) -> np.ndarray:
+    """Indices of the MoE layers (rows) with no count at all.
+
+    Every prompt token picks top_k experts in every MoE layer, so a prompt with tokens never has
+    one: an empty row means the engine ran a forward without eldr's recording hook.
+    """
+    return np.flatnonzero(counts.sum(axis=1) == 0)
+
+
 def decode_moe_layers(params: dict[str, Any] | None) -> tuple[int, ...] | None:
     """The engine's MoE layer indices sent beside a signature, or ``None``."""
     layers = (params or {}).get(MOE_LAYERS_KEY)
