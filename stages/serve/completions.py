@@ -13,8 +13,9 @@ from starlette.responses import Response
 
 from stages.serve.decode_leg import run_decode
 from stages.serve.disconnect import unless_client_leaves
-from stages.serve.payloads import check_request_body, prefill_body, prompt_key, read_json_body
+from stages.serve.payloads import prefill_body, prompt_key
 from stages.serve.prefill_leg import run_prefill
+from stages.serve.request_body import check_request_body, read_json_body
 from stages.serve.responses import ProxyError, UpstreamClientError
 from stages.serve.state import ProxyState
 

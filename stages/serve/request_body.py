@@ -1,7 +1,15 @@
-"""Reading a client's JSON body with a size limit and clear 400/413 errors."""
+"""Reading and checking a client's JSON body: a size limit, then vLLM's 400s.
+
+Checks answer what vLLM answers (400, from its pydantic request models and
+``validate_json_request``), but only for the fields the proxy itself reads; the workers check
+the rest and their 400s reach the client unchanged. vLLM's models validate in pydantic's lax
+mode, so what it coerces ("true" for a bool, 5.0 or "5" for an int) is accepted here too.
+"""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import orjson
@@ -9,8 +17,135 @@ from starlette.requests import Request
 
 from stages.serve.responses import ProxyError
 
+# pydantic's lax str -> bool words (case-insensitive, not stripped).
+_TRUE_WORDS = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE_WORDS = frozenset(("0", "off", "f", "false", "n", "no"))
+# pydantic's lax str -> int: digits (underscores between them), an optional all-zero fraction.
+_INT_TEXT = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0+)?")
+# pydantic refuses floats this large for an int ("exceeded maximum size").
+_INT_FLOAT_LIMIT = 2.0**63
+_UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
 
-async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
+
+def bad_request(message: str, param: str | None = None) -> ProxyError:
+    return ProxyError(400, message, "bad_request", param)
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """vLLM's ``validate_json_request``: the media type must be exactly application/json."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json"
+
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object: 413 over ``limit``, else 400 for a wrong media type or JSON.
+
+    The size comes first (deliberately earlier than vLLM, which reads any size). The media
+    type is judged before the JSON, as vLLM never parses a body that is not declared JSON.
+    """
+    json_declared = is_json_media_type(request.headers.get("content-type"))
+    try:
+        body = await _read_json_object(request, limit)
+    except ProxyError as exc:
+        if exc.status == 413 or json_declared:
+            raise
+        raise bad_request(_UNSUPPORTED_MEDIA) from exc
+    if not json_declared:
+        raise bad_request(_UNSUPPORTED_MEDIA)
+    return body
+
+
+def lax_bool(value: object) -> bool | None:
+    """``value`` as pydantic's lax ``bool | None`` reads it; ValueError where it would refuse it."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.lower()
+        if word in _TRUE_WORDS or word in _FALSE_WORDS:
+            return word in _TRUE_WORDS
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def lax_int(value: object) -> int:
+    """``value`` as pydantic's lax ``int`` reads it; ValueError where it would refuse it."""
+    if isinstance(value, int):  # bool included, as pydantic takes true as 1
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer() and abs(value) < _INT_FLOAT_LIMIT:
+            return int(value)
+    elif isinstance(value, str) and _INT_TEXT.fullmatch(value.strip()):
+        return int(value.strip().split(".", 1)[0])
+    raise ValueError(f"not an integer: {value!r}")
+
+
+def _is_token_ids(value: object) -> bool:
+    if not isinstance(value, list):
+        return False
+    try:
+        return all(lax_int(token) >= 0 for token in value)
+    except ValueError:
+        return False
+
+
+def _is_prompt(value: object) -> bool:
+    # CompletionRequest.prompt: str | list[str] | list[int >= 0] | list[list[int >= 0]] | None
+    if value is None or isinstance(value, str) or _is_token_ids(value):
+        return True
+    if not isinstance(value, list):
+        return False
+    return all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value)
+
+
+def _check_messages(body: dict[str, Any]) -> None:
+    # ChatCompletionRequest.messages is required: a list of message objects.
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise bad_request('"messages" is required and must be a list of message objects',
+                          "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f'"messages[{i}]" must be a message object', "messages")
+
+
+def _check_token_limit(body: dict[str, Any], key: str) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    try:
+        limit = lax_int(value)
+    except ValueError:
+        raise bad_request(f'"{key}" must be an integer', key) from None
+    if limit < 0:
+        # vLLM's SamplingParams refuses it (0 is left to it: allowed with echo).
+        raise bad_request(f'"{key}" must be >= 0, got {limit}', key)
+
+
+def check_request_body(body: dict[str, Any], chat: bool) -> None:
+    """400 for a malformed field the proxy reads; ``stream`` is normalised to a bool in place.
+
+    The proxy branches on ``stream`` itself, so it must read it as the decode worker will
+    ("false" is False, not a truthy string).
+    """
+    if chat:
+        _check_messages(body)
+    elif not _is_prompt(body.get("prompt")):
+        raise bad_request(
+            '"prompt" must be a string, a list of strings, a list of token ids (integers >= 0)'
+            " or a list of such lists",
+            "prompt",
+        )
+    for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        _check_token_limit(body, key)
+    if "stream" in body:
+        try:
+            body["stream"] = bool(lax_bool(body["stream"]))
+        except ValueError:
+            raise bad_request('"stream" must be a boolean', "stream") from None
+
+
+async def _read_json_object(request: Request, limit: int) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProxyError(413, f"request body over the {limit}-byte limit", "too_large")
@@ -25,7 +160,7 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
     try:
         body = orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as exc:
-        raise ProxyError(400, f"request body is not valid JSON: {exc}", "bad_request") from exc
+        raise bad_request(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise ProxyError(400, "request body must be a JSON object", "bad_request")
+        raise bad_request("request body must be a JSON object")
     return body
