@@ -34,6 +34,9 @@ class ProxyConfig:
     # Workers tried per leg (prefill, decode) before the request fails.
     max_attempts: int = 3
     max_body_bytes: int = 8 * 1024 * 1024
+    # Sequences (prompts x n) one request may ask for: each is a prefill and a decode of its
+    # own, so a larger fan-out is refused rather than multiplied onto the workers.
+    max_fanout: int = 1024
     max_connections: int = 4096
     # Each decode worker's batch size (vLLM --max-num-seqs) when known; load-capped policies
     # keep requests off a full worker while another has room.
@@ -87,8 +90,8 @@ class ProxyConfig:
                 raise EldrError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_attempts < 1:
             raise EldrError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.max_body_bytes < 1 or self.max_connections < 1:
-            raise EldrError("max_body_bytes and max_connections must be >= 1")
+        if self.max_body_bytes < 1 or self.max_connections < 1 or self.max_fanout < 1:
+            raise EldrError("max_body_bytes, max_connections and max_fanout must be >= 1")
         for name in ("api_key", "admin_api_key", "worker_api_key"):
             check_key(name, getattr(self, name))
 

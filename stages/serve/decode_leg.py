@@ -23,12 +23,12 @@ from typing import Any
 
 import aiohttp
 import anyio
-import orjson
-from starlette.responses import Response
 
+from stages.serve.answer import Answer, Stream, Whole
 from stages.serve.decode_router import Features
-from stages.serve.payloads import decode_body
-from stages.serve.responses import ProxyError, RelayResponse, UpstreamClientError
+from stages.serve.prefill_leg import run_prefill
+from stages.serve.request_context import RequestContext
+from stages.serve.responses import ProxyError, UpstreamClientError
 from stages.serve.sse import DONE_EVENT, IncompleteEvent, error_event, is_done, whole_events
 from stages.serve.state import ProxyState
 from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
@@ -38,8 +38,23 @@ log = logging.getLogger(__name__)
 
 _STREAM_ERRORS = (*UPSTREAM_ERRORS, IncompleteEvent)
 
-KvTransferParams = dict[str, Any] | None
-Refresh = Callable[[], Awaitable[KvTransferParams]]
+
+@dataclass(frozen=True)
+class Handoff:
+    """A prefill's result: where the prompt's KV blocks are, and what routing reads from it."""
+
+    kv: dict[str, Any] | None  # kv_transfer_params as the prefill sent them; None: no hand-off
+    features: Features
+    feature_seconds: float  # time spent reading the signature (part of the routing decision)
+
+
+def hand_off(ctx: RequestContext, kv: dict[str, Any] | None) -> Handoff:
+    t0 = perf_counter()
+    features = ctx.state.router.features(kv)
+    feature_seconds = perf_counter() - t0
+    if features.missing:
+        ctx.state.metrics.missing_signature.inc()
+    return Handoff(kv, features, feature_seconds)
 
 
 @dataclass(frozen=True)
@@ -48,50 +63,45 @@ class Failure:
     delivered: bool  # the worker got the request, so the KV hand-off may be spent
 
 
-async def run_decode(
-    state: ProxyState,
-    path: str,
-    body: dict[str, Any],
-    kv: KvTransferParams,
-    refresh: Refresh,
-    features: Features,
-    feature_seconds: float,
-    headers: dict[str, str],
-    reply_headers: dict[str, str],
-) -> Response:
-    """Decode on the policy's worker, retrying elsewhere until something reached the client.
-
-    ``refresh`` re-runs the prefill and returns a fresh hand-off (see the module docstring).
-    """
+async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
+    """Decode on the policy's worker, retrying elsewhere until something reached the client."""
+    state = ctx.state
     pool, router, metrics = state.decode, state.router, state.metrics
-    stream = bool(body.get("stream", False))
-    payload = orjson.dumps(decode_body(body, kv))
+    payload = ctx.legs.decode_payload(handoff.kv)
     tried: list[int] = []
     failures: list[str] = []
+    refreshes = 0
     attempts = state.config.max_attempts
     for attempt in range(attempts):
         eligible = pool.eligible(exclude=tried)
         if not eligible.any():
             break
         t0 = perf_counter()
-        worker = router.choose(features.vector, pool.loads(), eligible)
+        worker = router.choose(handoff.features.vector, pool.loads(), eligible)
         # The first decision also paid for the signature transform; retries reuse it.
         metrics.decision_seconds.observe(
-            perf_counter() - t0 + (feature_seconds if not attempt else 0)
+            perf_counter() - t0 + (handoff.feature_seconds if not attempt else 0)
         )
         metrics.decisions.labels(router.policy_name, pool.name(worker)).inc()
         if attempt:
             metrics.retries.labels("decode").inc()
         lease = pool.acquire(worker, router.on_complete)
-        outcome = await _attempt(state, lease, path, payload, stream, headers, reply_headers)
-        if isinstance(outcome, Response):
+        outcome = await _attempt(ctx, lease, payload)
+        if not isinstance(outcome, Failure):
             return outcome
-        log.warning("decode worker %s failed before streaming: %s", lease.url, outcome.reason)
+        log.warning(
+            "request %s: decode worker %s failed before streaming (%.1f s in): %s",
+            ctx.request_id, lease.url, ctx.elapsed(), outcome.reason,
+        )
         pool.mark_unhealthy(worker, outcome.reason)
         tried.append(worker)
         failures.append(f"{lease.url}: {outcome.reason}")
         if outcome.delivered and attempt + 1 < attempts and pool.eligible(exclude=tried).any():
-            payload = orjson.dumps(decode_body(body, await refresh()))
+            # A request id of its own: the first hand-off may still be registered on the
+            # prefill worker under the original id, and NIXL tracks hand-offs by request id.
+            refreshes += 1
+            retry = ctx.with_request_id(f"{ctx.request_id}-retry{refreshes}")
+            payload = ctx.legs.decode_payload(await run_prefill(retry))
     if not tried:
         raise ProxyError(503, "no healthy decode worker", "no_decode_worker")
     raise ProxyError(
@@ -99,23 +109,17 @@ async def run_decode(
     )
 
 
-async def _attempt(
-    state: ProxyState,
-    lease: Lease,
-    path: str,
-    payload: bytes,
-    stream: bool,
-    headers: dict[str, str],
-    reply_headers: dict[str, str],
-) -> Response | Failure:
-    """A response for the client, or why this worker failed (then nothing was sent)."""
+async def _attempt(ctx: RequestContext, lease: Lease, payload: bytes) -> Answer | Failure:
+    """The worker's answer, or why this worker failed (then nothing was sent to the client)."""
+    state = ctx.state
     upstream: aiohttp.ClientResponse | None = None
     events: AsyncIterator[bytes] | None = None
     handed_off = False
     try:
         try:
             upstream = await state.session.post(
-                lease.url + path, data=payload, headers=headers, timeout=state.decode_timeout
+                lease.url + ctx.path, data=payload, headers=ctx.headers,
+                timeout=state.decode_timeout,
             )
             if upstream.status >= 500:
                 text = (await upstream.read())[:500].decode(errors="replace")
@@ -127,11 +131,8 @@ async def _attempt(
                     upstream.headers.get("Content-Type"),
                 )
             content_type = upstream.headers.get("Content-Type", "application/json")
-            if not stream:
-                content = await upstream.read()
-                return Response(
-                    content, upstream.status, media_type=content_type, headers=reply_headers
-                )
+            if not ctx.stream:
+                return Whole(await upstream.read(), upstream.status, content_type)
             events = whole_events(upstream.content.iter_any())
             first = await anext(events)
         except StopAsyncIteration:
@@ -145,14 +146,9 @@ async def _attempt(
             # it reached the client yet, so it is still a clean retry.
             reason = first[:500].decode(errors="replace").strip()
             return Failure(f"stream opened with an error: {reason}", delivered=True)
-        on_broken = _on_broken(state, lease)
         handed_off = True
-        return RelayResponse(
-            _relay(first, events, on_broken, lease),
-            on_close=_closer(upstream, events, lease),
-            media_type=content_type,
-            headers=reply_headers,
-        )
+        relay = _relay(first, events, _on_broken(state, lease), lease)
+        return Stream(relay, _closer(upstream, events, lease, relay), content_type)
     finally:
         if not handed_off:
             with anyio.CancelScope(shield=True):
@@ -160,10 +156,15 @@ async def _attempt(
 
 
 def _closer(
-    upstream: aiohttp.ClientResponse | None, events: AsyncIterator[bytes] | None, lease: Lease
+    upstream: aiohttp.ClientResponse | None,
+    events: AsyncIterator[bytes] | None,
+    lease: Lease,
+    relay: AsyncIterator[bytes] | None = None,
 ) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         try:
+            if relay is not None:
+                await relay.aclose()  # type: ignore[attr-defined]
             if events is not None:
                 await events.aclose()  # type: ignore[attr-defined]
             if upstream is not None:

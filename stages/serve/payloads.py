@@ -5,11 +5,16 @@ KV blocks for a decode worker to pull; its response's ``kv_transfer_params`` say
 are (and carry the ELDR signature). The decode leg is the client's own request plus those
 params, unchanged except that the signature is left out. Reading and checking the body comes
 first, in :mod:`stages.serve.request_body`.
+
+``plan_legs`` shapes both once per (sub-)request into a ``Legs`` value that travels with the
+request: a decode retry needs the same prefill again, and the decode body only waits for the
+hand-off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -30,10 +35,37 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = MappingProxyType(
 )
 _SIGNATURE_KEYS = frozenset((wire.SIGNATURE_KEY, wire.SHAPE_KEY))
 
+
+@dataclass(frozen=True)
+class Legs:
+    """What the two legs of one (sub-)request send, made once."""
+
+    prefill: bytes  # the serialised prefill body
+    key: bytes  # the prompt's prefix-routing key
+    body: Mapping[str, Any]  # the client's body for this (sub-)request, read only
+    stream: bool
+
+    def decode_payload(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
+        return orjson.dumps(decode_body(self.body, kv_transfer_params))
+
+
+def plan_legs(body: dict[str, Any], chat: bool) -> Legs:
+    """``body`` was checked (``stream`` is a bool); it must not change afterwards."""
+    return Legs(
+        prefill=orjson.dumps(prefill_body(body, chat)),
+        key=prompt_key(body, chat),
+        body=MappingProxyType(body),
+        stream=bool(body.get("stream", False)),
+    )
+
+
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     out = dict(body)
     out["max_tokens"] = 1
     out["stream"] = False
+    # One sequence: with n > 1 each extra child would pin its own KV blocks on the prefill
+    # worker for a hand-off nobody ever pulls (the response carries only the first child's).
+    out["n"] = 1
     # vLLM rejects stream_options without stream=True, and min_tokens above max_tokens.
     out.pop("stream_options", None)
     if _min_tokens(out) > 1:
@@ -52,7 +84,9 @@ def _min_tokens(body: dict[str, Any]) -> int:
         return 0
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(
+    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None
+) -> dict[str, Any]:
     out = dict(body)
     if kv_transfer_params is None:
         # No hand-off (prefill ran without a KV connector): the decode worker recomputes the

@@ -6,21 +6,18 @@ from typing import Any
 
 import orjson
 
+from stages.serve.request_context import RequestContext
 from stages.serve.responses import ProxyError, UpstreamClientError
-from stages.serve.state import ProxyState
 from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 
 
-async def run_prefill(
-    state: ProxyState, path: str, payload: bytes, key: bytes, headers: dict[str, str]
-) -> dict[str, Any] | None:
+async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
     """The prefill response's ``kv_transfer_params`` (None if it sent none).
 
-    ``payload`` is the serialised prefill body, ``key`` the prompt's prefix-routing key; the
-    caller makes both once per client request, since a decode retry runs the prefill again.
     A worker that refuses connections cannot have started the request, so the next one is
     tried; any other failure is a 502 because the prompt may already hold KV blocks there.
     """
+    state, legs = ctx.state, ctx.legs
     pool, metrics = state.prefill, state.metrics
     tried: list[int] = []
     for attempt in range(state.config.max_attempts):
@@ -29,12 +26,13 @@ async def run_prefill(
             break
         if attempt:
             metrics.retries.labels("prefill").inc()
-        worker = state.prefill_router.choose(key, pool.loads(), eligible)
+        worker = state.prefill_router.choose(legs.key, pool.loads(), eligible)
         url = pool.urls[worker]
         lease = pool.acquire(worker)
         try:
             async with state.session.post(
-                url + path, data=payload, headers=headers, timeout=state.prefill_timeout
+                url + ctx.path, data=legs.prefill, headers=ctx.headers,
+                timeout=state.prefill_timeout,
             ) as resp:
                 status = resp.status
                 content = await resp.read()

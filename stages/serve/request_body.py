@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -25,6 +26,17 @@ _INT_TEXT = re.compile(r"[+-]?[0-9](?:_?[0-9])*(?:\.0+)?")
 # pydantic refuses floats this large for an int ("exceeded maximum size").
 _INT_FLOAT_LIMIT = 2.0**63
 _UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
+# vLLM's default VLLM_MAX_N_SEQUENCES: SamplingParams refuses a larger n.
+MAX_N = 16384
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """The fields the proxy branches on, read as the workers will read them."""
+
+    stream: bool
+    n: int  # choices per prompt
+    beam_search: bool  # then n is the beam width, answered by one request per prompt
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:
@@ -122,11 +134,36 @@ def _check_token_limit(body: dict[str, Any], key: str) -> None:
         raise bad_request(f'"{key}" must be >= 0, got {limit}', key)
 
 
-def check_request_body(body: dict[str, Any], chat: bool) -> None:
+def _read_n(body: dict[str, Any], chat: bool) -> int:
+    # CompletionRequest.n: int = 1; ChatCompletionRequest.n: int | None = 1. SamplingParams
+    # wants 1 <= n <= MAX_N.
+    value = body.get("n", 1)
+    if value is None and chat:
+        return 1
+    try:
+        n = lax_int(value)
+    except ValueError:
+        raise bad_request('"n" must be an integer', "n") from None
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f'"n" must be between 1 and {MAX_N}, got {n}', "n")
+    return n
+
+
+def _read_bool(body: dict[str, Any], key: str) -> bool:
+    try:
+        value = lax_bool(body.get(key, False))
+    except ValueError:
+        raise bad_request(f'"{key}" must be a boolean', key) from None
+    return bool(value)
+
+
+def check_request_body(body: dict[str, Any], chat: bool) -> RequestFields:
     """400 for a malformed field the proxy reads; ``stream`` is normalised to a bool in place.
 
-    The proxy branches on ``stream`` itself, so it must read it as the decode worker will
-    ("false" is False, not a truthy string).
+    The proxy branches on ``stream``, ``n`` and ``use_beam_search`` itself, so it must read
+    them as the workers will ("false" is False, not a truthy string), and refuse what they
+    would refuse before any prefill runs: a leg refused after the prefill leaves its KV blocks
+    pinned on the prefill worker until NIXL's timeout.
     """
     if chat:
         _check_messages(body)
@@ -139,10 +176,15 @@ def check_request_body(body: dict[str, Any], chat: bool) -> None:
     for key in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
         _check_token_limit(body, key)
     if "stream" in body:
-        try:
-            body["stream"] = bool(lax_bool(body["stream"]))
-        except ValueError:
-            raise bad_request('"stream" must be a boolean', "stream") from None
+        body["stream"] = _read_bool(body, "stream")
+    if body.get("use_beam_search", False) is None:
+        # bool, not bool | None, in both request models
+        raise bad_request('"use_beam_search" must be a boolean', "use_beam_search")
+    return RequestFields(
+        stream=bool(body.get("stream", False)),
+        n=_read_n(body, chat),
+        beam_search=_read_bool(body, "use_beam_search"),
+    )
 
 
 async def _read_json_object(request: Request, limit: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ handlers (``ProxyError``), the router's 404/405 (``http_error``) and unexpected 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from http import HTTPStatus
 
 import anyio
@@ -35,7 +35,7 @@ class ProxyError(Exception):
         self.kind = kind
         self.param = param
 
-    def response(self, headers: dict[str, str] | None = None) -> Response:
+    def response(self, headers: Mapping[str, str] | None = None) -> Response:
         return json_error(self.status, self.message, self.kind, headers, param=self.param)
 
 
@@ -48,7 +48,7 @@ class UpstreamClientError(Exception):
         self.content = content
         self.content_type = content_type or "application/json"
 
-    def response(self, headers: dict[str, str]) -> Response:
+    def response(self, headers: Mapping[str, str]) -> Response:
         return Response(
             self.content, status_code=self.status, media_type=self.content_type, headers=headers
         )
@@ -58,7 +58,7 @@ def json_error(
     status: int,
     message: str,
     kind: str,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     *,
     param: str | None = None,
 ) -> Response:
@@ -132,7 +132,7 @@ class RelayResponse(StreamingResponse):
         content: AsyncIterator[bytes],
         on_close: Callable[[], Awaitable[None]],
         media_type: str,
-        headers: dict[str, str],
+        headers: Mapping[str, str],
     ) -> None:
         super().__init__(content, media_type=media_type, headers=headers)
         self._on_close = on_close

@@ -1,0 +1,102 @@
+"""Splitting a request that asks for several sequences into sub-requests of one each.
+
+A PD hand-off describes the KV blocks of one prompt, once. A decode worker given one hand-off
+for several prompts (``"prompt": [A, B]``) or several choices (``n > 1``) would attach the same
+blocks to every sequence: B would continue A, and parallel choices would read blocks the
+prefill worker frees after the first read. So such a request becomes one sub-request per
+prompt and choice, each with its own prefill, hand-off and decode worker, and the answers are
+merged back (:mod:`stages.serve.batch_merge`).
+
+Indices and seeds follow vLLM: choice ``i`` of prompt ``p`` is ``p * n + i``, and choice ``i``
+of a seeded request samples with ``seed + i`` (vLLM's ``ParentRequest``), so a greedy or seeded
+request gets what one vLLM server would answer. Beam search is not split by choice: its ``n``
+is the beam width, and one request per prompt answers all its beams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stages.serve.request_body import RequestFields, bad_request, lax_int
+
+
+@dataclass(frozen=True)
+class Part:
+    """One sub-request, and where its answer goes in the client's."""
+
+    body: dict[str, Any]
+    prompt_index: int
+    first_index: int  # the merged index of the sub-answer's choice 0
+    counts_prompt: bool  # its prompt tokens enter the usage (once per prompt, not per choice)
+
+
+def prompts_of(body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a completions body with more than one, as vLLM's model reads them.
+
+    pydantic's smart union takes an exact ``list[str]`` or ``list[list[int]]`` first; any other
+    list (``["1", 2]`` included) is one prompt of token ids.
+    """
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return prompt
+    return None
+
+
+def split(
+    body: dict[str, Any], chat: bool, fields: RequestFields, limit: int
+) -> list[Part] | None:
+    """The sub-requests of ``body``; None when it asks for one sequence (served as it is).
+
+    More than ``limit`` sub-requests is a 400: each costs the proxy two upstream requests.
+    """
+    prompts = None if chat else prompts_of(body)
+    _check_embeds(body, prompts)
+    choices = 1 if fields.beam_search else fields.n
+    if prompts is None and choices == 1:
+        return None
+    count = (len(prompts) if prompts is not None else 1) * choices
+    if count > limit:
+        raise bad_request(
+            f"this request asks for {count} sequences (prompts x n); the proxy serves at most"
+            f" {limit} per request, one prefill and one decode each",
+            "n" if prompts is None else "prompt",
+        )
+    seed = _seed(body) if choices > 1 else None
+    parts = []
+    for p, prompt in enumerate(prompts if prompts is not None else [None]):
+        for i in range(choices):
+            sub = dict(body)
+            if prompts is not None:
+                sub["prompt"] = prompt
+            if choices > 1:
+                sub["n"] = 1
+                if seed is not None:
+                    sub["seed"] = seed + i
+            parts.append(Part(sub, p, p * fields.n + i, counts_prompt=i == 0))
+    return parts
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    # What the workers cannot read as an int they refuse themselves, on the first prefill.
+    try:
+        return lax_int(body.get("seed"))
+    except ValueError:
+        return None
+
+
+def _check_embeds(body: dict[str, Any], prompts: list[Any] | None) -> None:
+    # vLLM runs every prompt_embeds entry and every prompt as sequences of one request; the
+    # proxy does not split embeddings, so it takes them only as the request's one prompt.
+    embeds = body.get("prompt_embeds")
+    if embeds is None:
+        return
+    several = isinstance(embeds, list) and len(embeds) > 1
+    if several or prompts is not None or body.get("prompt") is not None:
+        raise bad_request(
+            "the proxy takes prompt_embeds only as the request's single prompt (one entry,"
+            " no prompt)",
+            "prompt_embeds",
+        )

@@ -1,0 +1,85 @@
+"""One client request, or one sub-request of a fanned-out batch, as the legs see it.
+
+Everything a request's path needs travels in one frozen ``RequestContext``, made when the body
+has been read and checked, so the legs take the request and not a list of its parts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from starlette.requests import Request
+
+from stages.serve.payloads import Legs, plan_legs
+from stages.serve.state import ProxyState
+
+# Client headers worth carrying to the workers. Not Authorization: the client's key is the
+# proxy's to check, and workers get the proxy's own key (upstream.worker_headers).
+_FORWARDED = ("traceparent", "tracestate")
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    state: ProxyState
+    path: str  # the route, the same on the workers (/v1/completions, /v1/chat/completions)
+    chat: bool
+    # What the workers see as X-Request-Id: the client's id, a sub-request's own id, or a
+    # retry's (NIXL tracks hand-offs by request id, so no two legs in flight may share one).
+    request_id: str
+    legs: Legs
+    headers: Mapping[str, str]  # for the workers
+    reply_headers: Mapping[str, str]  # for the client: the client request's own id
+    arrived: float  # time.monotonic() when the client request came in
+
+    @property
+    def stream(self) -> bool:
+        return self.legs.stream
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.arrived
+
+    def with_request_id(self, request_id: str) -> RequestContext:
+        return replace(
+            self,
+            request_id=request_id,
+            headers=MappingProxyType({**self.headers, "X-Request-Id": request_id}),
+        )
+
+
+def request_context(
+    request: Request,
+    request_id: str,
+    body: dict[str, Any],
+    chat: bool,
+    client_request_id: str | None = None,
+) -> RequestContext:
+    """The context of a request whose ``body`` was read and checked.
+
+    A sub-request of a batch has its own ``request_id`` and body; ``client_request_id`` is the
+    client request's id, which its answer carries.
+    """
+    state: ProxyState = request.app.state.proxy
+    # identity: bytes are relayed as they come, never decompressed and re-compressed.
+    headers = {
+        "Content-Type": "application/json",
+        "Accept-Encoding": "identity",
+        "X-Request-Id": request_id,
+    }
+    for name in _FORWARDED:
+        value = request.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    return RequestContext(
+        state=state,
+        path=request.url.path,
+        chat=chat,
+        request_id=request_id,
+        legs=plan_legs(body, chat),
+        headers=MappingProxyType(headers),
+        reply_headers=MappingProxyType({"X-Request-Id": client_request_id or request_id}),
+        arrived=time.monotonic(),
+    )
