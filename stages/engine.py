@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from stages.errors import EldrError
+from stages.procs import keeper
 
 SIGNATURE_CONNECTOR = "EldrSignatureConnector"
 
@@ -99,6 +100,19 @@ def kv_transfer_config(
     }
 
 
+# eldr's workers run on one host and talk only to each other and to the proxy, on loopback:
+# NIXL's handshake listener (VLLM_NIXL_SIDE_CHANNEL_HOST), vLLM's own sockets that use
+# get_ip()/get_loopback_ip() (message queues, distributed init) and UCX's transports, whose
+# listeners bind every network device unless told otherwise. Shared memory and CUDA IPC are not
+# network devices and stay available.
+LOOPBACK_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOOPBACK_IP": "127.0.0.1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+}
+
+
 def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -133,6 +147,7 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores or "nobind"
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
+    env.update(LOOPBACK_ENV)
     if spec.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = _physical_gpu(spec.gpu)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -141,26 +156,31 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
 
 
 class VllmServer:
-    """A running vLLM server process; stop() kills its whole process group."""
+    """A running vLLM server process; stop() kills its whole process group.
 
-    def __init__(self, spec: ServerSpec, log_dir: Path) -> None:
+    The server runs under a keeper (stages.procs.keeper): it and every process vLLM starts for
+    it die with this process, SIGKILL included, and ``proc`` ends only once all of them have.
+    ``append`` keeps an earlier run's log (a restart after a crash keeps the crash's account).
+    """
+
+    def __init__(self, spec: ServerSpec, log_dir: Path, append: bool = False) -> None:
         self.spec = spec
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"vllm-{spec.role}-{spec.port}.log"
         argv, env = server_command(spec)
-        self._log = self.log_path.open("wb")
-        # A new session gives the server its own process group, so stop() reaches the engine
-        # core and worker processes vLLM spawns too.
+        self._log = self.log_path.open("ab" if append else "wb")
+        # The affinity is inherited by the engine core and worker processes vLLM spawns.
         cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            # The affinity is inherited by the engine core and worker processes vLLM spawns.
-            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
-        )
+        self.started_at = time.monotonic()
+        self.proc = keeper.spawn(argv, env, self._log, cores)
 
     @property
     def url(self) -> str:
         return self.spec.url
+
+    def exit_code(self) -> int | None:
+        """None while the server runs; its exit status once it and all it started are gone."""
+        return self.proc.poll()
 
     def poll_ready(self) -> bool:
         if self.proc.poll() is not None:

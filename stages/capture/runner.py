@@ -18,6 +18,7 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.models import ResolvedModel, check_built_layers
+from stages.procs.watchdog import Watchdog
 from stages.prompts import Prompt
 from stages.signature import wire
 from stages.signature.dataset import CaptureRecord, SignatureDataset, prompt_digest
@@ -67,16 +68,19 @@ def capture(
         if status is not None:
             mode = "eager" if config.enforce_eager else "compiled: the first start compiles"
             status(f"starting vLLM ({mode})")
-        engine = _start_engine(model, config)
-        if status is not None:
-            status("capture")
-        try:
-            for batch in _batches(todo, config.batch_size):
-                dataset.append(_run_batch(engine, model, batch, config))
-                if progress is not None:
-                    progress(len(batch))
-        finally:
-            _stop_engine(engine)
+        # vLLM's engine core and workers are this process's children: the watchdog kills
+        # them if this process dies without shutting the engine down (SIGKILL included).
+        with Watchdog():
+            engine = _start_engine(model, config)
+            if status is not None:
+                status("capture")
+            try:
+                for batch in _batches(todo, config.batch_size):
+                    dataset.append(_run_batch(engine, model, batch, config))
+                    if progress is not None:
+                        progress(len(batch))
+            finally:
+                _stop_engine(engine)
     return CaptureSummary(out, len(todo), skipped, len(dataset))
 
 
