@@ -41,6 +41,10 @@ def serve(
     port: Annotated[int, typer.Option(help="Proxy port.")] = 8000,
     worker_port: Annotated[int, typer.Option(help="First port of the started vLLM workers.")]
     = 8100,
+    nixl_port: Annotated[int | None, typer.Option(
+        help="First NIXL side-channel port of the started workers (one per worker, in order)."
+        " Default: ports the system reports free, so deployments on one host never share one.",
+        min=1, max=65535, show_default=False)] = None,
     attach_prefill: Annotated[list[str] | None, typer.Option(
         help="URL of a running prefill worker (repeat); starts no workers.")] = None,
     attach_decode: Annotated[list[str] | None, typer.Option(
@@ -78,15 +82,19 @@ def serve(
     seed: SeedOption = 0,
 ) -> None:
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
-    the routing proxy in front of them. Ctrl-C or SIGTERM stops everything started."""
+    the routing proxy in front of them. A started worker whose process ends is restarted.
+    Ctrl-C or SIGTERM stops everything started, and so does this process's death."""
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.auth import warn_if_exposed
     from stages.serve.config import ProxyConfig, check_key
     from stages.serve.engine_args import engine_args
     from stages.serve.launcher import Cluster, ClusterSpec
+    from stages.serve.metrics import no_restarts
+    from stages.serve.ports import check_free
     from stages.serve.proxy import run_proxy
     from stages.serve.self_check import check_records_signatures
+    from stages.serve.supervisor import Supervisor
     from stages.vllm_compat import check_vllm
 
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
@@ -105,6 +113,9 @@ def serve(
     if attach and extra_args:
         raise EldrError("--vllm-arg configures workers eldr starts; it cannot be used with"
                         " --attach-*")
+    if attach and nixl_port is not None:
+        raise EldrError("--nixl-port configures workers eldr starts; it cannot be used with"
+                        " --attach-*")
     if attach and not (attach_prefill and attach_decode):
         raise EldrError("--attach-prefill and --attach-decode must be given together")
     store_path = store or paths.default_artifact_store()
@@ -122,20 +133,39 @@ def serve(
     def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    cluster = Cluster(ClusterSpec(  # validates --worker-cores before anything starts
-        model=resolved.source, served_name=served_as, prefill=prefill, decode=decode,
-        prefill_model=prefill_resolved.source if prefill_resolved else None,
-        base_port=worker_port, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        log_dir=paths.eldr_home() / "logs",
-        worker_cores=tuple(worker_cores.split("|")) if worker_cores else None,
-        enforce_eager=enforce_eager,
-        extra_args=extra_args,
-    ))
+    # Everything is checked before the first worker starts: the cluster's specs (cores, free
+    # worker and NIXL ports) and the proxy's whole config, built on the URLs workers will have.
+    cluster = None
+    if attach:
+        prefill_urls, decode_urls = list(attach_prefill or []), list(attach_decode or [])
+    else:
+        cluster = Cluster(ClusterSpec(
+            model=resolved.source, served_name=served_as, prefill=prefill, decode=decode,
+            prefill_model=prefill_resolved.source if prefill_resolved else None,
+            base_port=worker_port, nixl_base_port=nixl_port, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, log_dir=paths.eldr_home() / "logs",
+            worker_cores=tuple(worker_cores.split("|")) if worker_cores else None,
+            enforce_eager=enforce_eager,
+            extra_args=extra_args,
+        ))
+        prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
+        taken = {s.port for s in cluster.specs} | {s.nixl_side_channel_port for s in cluster.specs}
+        if port in taken:
+            raise EldrError(f"--port {port} is also a port of a started worker (--worker-port"
+                            f" {worker_port}, {prefill + decode} workers, or --nixl-port)")
+    use_store = needs_centroids(policy) or store_path.exists()
+    config = ProxyConfig(
+        prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
+        tau=tau, epsilon=epsilon, artifact_store=store_path if use_store else None,
+        artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
+        decode_slots=None if attach else max_num_seqs,
+        api_key=api_key, admin_api_key=admin_api_key, worker_api_key=worker_api_key,
+    )
+    check_free("--port", [port], host)
+    supervisor = None
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
-        if attach:
-            prefill_urls, decode_urls = list(attach_prefill or []), list(attach_decode or [])
-        else:
+        if cluster is not None:
             on = resolved.source
             if prefill_resolved is not None:
                 on = f"{prefill_resolved.source} (prefill) and {resolved.source} (decode)"
@@ -145,26 +175,24 @@ def serve(
 
             with tqdm(total=prefill + decode, desc="workers ready", unit="worker") as bar:
                 cluster.start(on_ready=lambda server: bar.update(1))
-            prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
         if needs_centroids(policy):
             for url in (*prefill_urls, *decode_urls):
                 check_records_signatures(url, resolved.identity, served_as, worker_api_key)
-        use_store = needs_centroids(policy) or store_path.exists()
-        config = ProxyConfig(
-            prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
-            tau=tau, epsilon=epsilon, artifact_store=store_path if use_store else None,
-            artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
-            decode_slots=None if attach else max_num_seqs,
-            api_key=api_key, admin_api_key=admin_api_key, worker_api_key=worker_api_key,
-        )
+        if cluster is not None:
+            supervisor = Supervisor(cluster)
+            supervisor.start()
         typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
         # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our
         # handler turns that into KeyboardInterrupt so the workers below are still stopped.
-        run_proxy(config, host=host, port=port, log_level=log_level.lower())
+        run_proxy(config, host=host, port=port, log_level=log_level.lower(),
+                  restarts=supervisor.restarts if supervisor is not None else no_restarts)
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
+        if supervisor is not None:
+            supervisor.stop()  # no restart may race the stop below
+        if cluster is not None:
+            cluster.stop()
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)

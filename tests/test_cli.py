@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from eldr_cli.app import app
 from stages import paths
+from tests.conftest import free_port
 
 runner = CliRunner()
 
@@ -195,8 +196,6 @@ def test_version_names_eldr_and_vllm() -> None:
 
 
 def test_bench_without_a_proxy_points_to_serve(tmp_path: Path) -> None:
-    from tests.conftest import free_port
-
     result = run_eldr("bench", "--url", f"http://127.0.0.1:{free_port()}", home=tmp_path)
     assert result.returncode == 2
     assert "eldr serve" in result.stderr
@@ -215,6 +214,8 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
         def __init__(self, spec: launcher.ClusterSpec) -> None:
             seen["spec"] = spec
             self.spec = spec
+            self.specs: list[object] = []
+            self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
 
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             raise EldrError("stopped before starting vLLM")
@@ -224,7 +225,8 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
 
     monkeypatch.setattr(launcher, "Cluster", FakeCluster)
     monkeypatch.setenv("ELDR_HOME", str(tmp_path))
-    result = runner.invoke(app, ["serve", "--policy", "rr", "--served-model-name", "my-moe",
+    result = runner.invoke(app, ["serve", "--policy", "rr", "--port", str(free_port()),
+                                 "--served-model-name", "my-moe",
                                  "--vllm-arg", "--dtype=half",
                                  "--vllm-arg=--gpu-memory-utilization 0.8"])
     assert isinstance(result.exception, EldrError), result.output
@@ -262,6 +264,8 @@ def test_serve_on_an_open_address_without_a_key_warns(
     class StopAtStart:
         def __init__(self, spec: launcher.ClusterSpec) -> None:
             self.spec = spec
+            self.specs: list[object] = []
+            self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
 
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             raise EldrError("stopped before starting vLLM")
@@ -273,8 +277,54 @@ def test_serve_on_an_open_address_without_a_key_warns(
     monkeypatch.setenv("ELDR_HOME", str(tmp_path))
     monkeypatch.delenv("ELDR_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    exposed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0"])
+    port = str(free_port())
+    exposed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0", "--port", port])
     assert "has no API key" in exposed.output
-    keyed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0"],
+    keyed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0", "--port", port],
                           env={"ELDR_API_KEY": "secret-key"})
     assert "has no API key" not in keyed.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policy", "eldrr"], "unknown policy 'eldrr'"),
+        (["--policy", "rr", "--tau", "-1"], "tau must be a finite number >= 0"),
+        (["--policy", "rr", "--port", "{busy}"], "--port: port {busy} on 127.0.0.1 is not free"),
+        (["--policy", "rr", "--worker-port", "{busy}"], "--worker-port: port {busy}"),
+        (["--policy", "rr", "--nixl-port", "{busy}"], "--nixl-port: port {busy}"),
+        (["--policy", "rr", "--port", "{worker}"], "is also a port of a started worker"),
+        (["--policy", "rr", "--attach-prefill", "http://127.0.0.1:1", "--attach-decode",
+          "http://127.0.0.1:2", "--nixl-port", "7000"], "--nixl-port configures workers"),
+    ],
+)
+def test_serve_checks_every_option_before_any_worker_starts(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import socket
+
+    import stages.serve.launcher as launcher
+    from stages.errors import EldrError
+
+    started = []
+
+    def start(self: launcher.Cluster, on_ready: object = None) -> None:
+        started.append(self)
+        raise EldrError("a worker was started")
+
+    monkeypatch.setattr(launcher.Cluster, "start", start)
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        worker = free_port()
+        values = {"busy": str(busy.getsockname()[1]), "worker": str(worker + 1)}
+        argv = [a.format(**values) for a in args]
+        if "--port" not in argv:
+            argv += ["--port", str(free_port())]
+        if "--worker-port" not in argv:
+            argv += ["--worker-port", str(worker)]
+        result = runner.invoke(app, ["serve", "--prefill", "1", "--decode", "1", *argv])
+    assert isinstance(result.exception, EldrError), result.output
+    assert message.format(**values) in str(result.exception)
+    assert started == []

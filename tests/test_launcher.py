@@ -26,7 +26,8 @@ def test_prefill_variant_runs_on_prefill_workers_only() -> None:
     from stages.engine import kv_transfer_config
     from stages.serve.launcher import ClusterSpec, worker_specs
 
-    specs = worker_specs(ClusterSpec(model="/m/wide", served_name="w", prefill_model="/m/narrow"))
+    spec = ClusterSpec(model="/m/wide", served_name="w", prefill_model="/m/narrow")
+    specs = worker_specs(spec, [5600, 5601, 5602])
     assert [(s.role, s.model) for s in specs] == [
         ("prefill", "/m/narrow"), ("decode", "/m/wide"), ("decode", "/m/wide")
     ]
@@ -42,7 +43,8 @@ def test_same_model_keeps_nixl_handshake_check() -> None:
     from stages.engine import kv_transfer_config
     from stages.serve.launcher import ClusterSpec, worker_specs
 
-    specs = worker_specs(ClusterSpec(model="/m/a", served_name="a", prefill_model="/m/a"))
+    spec = ClusterSpec(model="/m/a", served_name="a", prefill_model="/m/a")
+    specs = worker_specs(spec, [1, 2, 3])
     assert all(s.nixl_compat_check and s.model == "/m/a" for s in specs)
     nixl = kv_transfer_config("prefill")["kv_connector_extra_config"]["connectors"][1]  # type: ignore[index]
     assert "kv_connector_extra_config" not in nixl
@@ -54,7 +56,8 @@ def test_explicit_worker_cores_replace_the_plan() -> None:
     from stages.serve.launcher import ClusterSpec, worker_specs
 
     core = str(min(os.sched_getaffinity(0)))
-    specs = worker_specs(ClusterSpec(model="/m", served_name="m", worker_cores=(core,) * 3))
+    spec = ClusterSpec(model="/m", served_name="m", worker_cores=(core,) * 3)
+    specs = worker_specs(spec, [1, 2, 3])
     assert [s.cpu_cores for s in specs] == [core] * 3
 
 
@@ -92,3 +95,57 @@ def test_gpu_worker_command_names_its_device(monkeypatch) -> None:  # type: igno
     assert env["CUDA_VISIBLE_DEVICES"] == "5"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
     assert "--enforce-eager" not in argv  # vLLM's default compiled mode
+
+
+def test_cluster_knows_its_urls_and_free_side_channel_ports_before_starting() -> None:
+    from stages.serve.launcher import Cluster, ClusterSpec
+    from tests.conftest import free_port
+
+    base = free_port()
+    cluster = Cluster(ClusterSpec(model="/m", served_name="m", base_port=base))
+    assert cluster.prefill_urls == [f"http://127.0.0.1:{base}"]
+    assert cluster.decode_urls == [f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"]
+    assert cluster.servers == []  # nothing started
+    nixl = [s.nixl_side_channel_port for s in cluster.specs]
+    # Chosen free, distinct, and none of them a worker's HTTP port: a second deployment on
+    # the host gets other ones.
+    assert len(set(nixl)) == 3 and not set(nixl) & {base, base + 1, base + 2}
+    other = Cluster(ClusterSpec(model="/m", served_name="m", base_port=base))
+    assert [s.port for s in other.specs] == [s.port for s in cluster.specs]
+
+
+def test_ports_in_use_or_overlapping_are_refused_before_anything_starts() -> None:
+    import socket
+
+    import pytest
+
+    from stages.errors import EldrError
+    from stages.serve.launcher import Cluster, ClusterSpec
+    from tests.conftest import free_port
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        with pytest.raises(EldrError, match=f"--worker-port: port {taken} on 127.0.0.1 is not"):
+            Cluster(ClusterSpec(model="/m", served_name="m", base_port=taken - 1))
+        with pytest.raises(EldrError, match=f"--nixl-port: port {taken} on 127.0.0.1 is not"):
+            Cluster(ClusterSpec(model="/m", served_name="m", base_port=free_port(),
+                                nixl_base_port=taken - 2))
+    base = free_port()
+    with pytest.raises(EldrError, match="also worker HTTP ports"):
+        Cluster(ClusterSpec(model="/m", served_name="m", base_port=base, nixl_base_port=base + 2))
+    cluster = Cluster(ClusterSpec(model="/m", served_name="m", base_port=base,
+                                  nixl_base_port=base + 10))
+    assert [s.nixl_side_channel_port for s in cluster.specs] == [base + 10, base + 11, base + 12]
+
+
+def test_started_workers_keep_nixl_and_vllm_sockets_on_loopback() -> None:
+    from stages.engine import ServerSpec, server_command
+
+    _, env = server_command(ServerSpec(model="m", port=1, role="decode",
+                                       nixl_side_channel_port=7000))
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "7000"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert env["VLLM_HOST_IP"] == env["VLLM_LOOPBACK_IP"] == "127.0.0.1"
+    assert env["UCX_NET_DEVICES"] == "lo"

@@ -226,7 +226,7 @@ def test_client_leaving_before_the_answer_frees_the_worker(env: Cluster) -> None
 
 def test_retry_on_failing_decode_worker_before_streaming(env: Cluster) -> None:
     env.decode[0].fail_status = 500
-    env.decode[0].healthy = False  # keep it out until we say so
+    env.decode[0].sick_after_request = True  # keep it out until we say so
     retries = env.metric("eldr_router_retries_total", stage="decode")
     for stream in (False, True):
         r = completion(env, "domain=0", stream=stream)
@@ -249,7 +249,7 @@ def test_retry_on_failing_decode_worker_before_streaming(env: Cluster) -> None:
 
 def test_retry_on_decode_timeout(env: Cluster) -> None:
     env.decode[1].delay_s = 1.0  # beyond this proxy's decode_timeout_s
-    env.decode[1].healthy = False
+    env.decode[1].sick_after_request = True
     c = env.state.config
     config = fast_config(
         c.prefill_urls,
@@ -269,7 +269,7 @@ def test_retry_on_decode_timeout(env: Cluster) -> None:
 
 def test_error_as_first_stream_event_is_retried(env: Cluster) -> None:
     env.decode[2].stream_error = True  # what vLLM streams when the KV load failed
-    env.decode[2].healthy = False
+    env.decode[2].sick_after_request = True
     r = completion(env, "domain=2", stream=True)
     assert r.status_code == 200 and b"error" not in r.content
     assert r.content.endswith(b"data: [DONE]\n\n") and b"t0" in r.content
@@ -297,7 +297,7 @@ def test_error_event_mid_stream(env: Cluster) -> None:
 def test_all_decode_workers_failing_is_502(env: Cluster) -> None:
     for b in env.decode:
         b.fail_status = 503
-        b.healthy = False
+        b.sick_after_request = True
     r = completion(env, "domain=0")
     assert r.status_code == 502
     assert r.json()["error"]["type"] == "decode_failed"

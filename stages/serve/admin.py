@@ -42,6 +42,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "healthy": w.healthy,
                 "cluster": clusters[w.index],
                 "last_error": w.last_error,
+                "restarts": state.restarts(w.url),
             }
             for w in state.decode.views()
         ],
@@ -52,6 +53,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "in_flight": w.in_flight,
                 "healthy": w.healthy,
                 "last_error": w.last_error,
+                "restarts": state.restarts(w.url),
             }
             for w in state.prefill.views()
         ],

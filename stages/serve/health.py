@@ -1,31 +1,71 @@
-"""Background re-admission: poll ``/health`` of workers taken out of rotation."""
+"""Active health probes: every worker's ``/health``, healthy or not, every interval.
+
+A worker leaves routing as soon as it is known down, not when a request next fails on it, and
+rejoins once it answers again (a restarted worker, an attached one that came back). Known down
+means: nothing accepts the connection (the process is gone), or vLLM answers something other
+than 200 (its engine died). A probe that only times out counts as down after a few in a row: a
+worker busy decoding on a saturated machine may answer late without being broken.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass, field
 
 import aiohttp
 
-from stages.serve.upstream import UPSTREAM_ERRORS
+from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 from stages.serve.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
+SLOW_PROBES_BEFORE_DOWN = 2
 
-async def probe(
-    session: aiohttp.ClientSession, pool: WorkerPool, index: int, timeout: aiohttp.ClientTimeout
-) -> None:
-    url = pool.urls[index]
-    try:
-        async with session.get(url + "/health", timeout=timeout) as resp:
-            await resp.read()  # read to the end so the connection can be reused
-            status = resp.status
-    except UPSTREAM_ERRORS as exc:
-        log.debug("%s worker %s still down: %r", pool.role, url, exc)
-        return
-    if status == 200:
-        pool.mark_healthy(index)
+
+def _take_out(pool: WorkerPool, index: int, reason: str) -> None:
+    # Only a worker in rotation: once out, the reason that took it out (a request's error,
+    # often) stays its last_error rather than the probe's restatement every second.
+    if pool.healthy(index):
+        pool.mark_unhealthy(index, reason)
+
+
+@dataclass
+class Prober:
+    session: aiohttp.ClientSession
+    timeout: aiohttp.ClientTimeout
+    slow_limit: int = SLOW_PROBES_BEFORE_DOWN
+    # Probes in a row that got no answer in time, per (role, worker index).
+    _slow: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    async def probe(self, pool: WorkerPool, index: int) -> None:
+        url = pool.urls[index]
+        key = (pool.role, index)
+        try:
+            async with self.session.get(url + "/health", timeout=self.timeout) as resp:
+                await resp.read()  # read to the end so the connection can be reused
+                status = resp.status
+        except NOT_DELIVERED as exc:
+            self._slow.pop(key, None)
+            _take_out(pool, index, f"health probe: no connection ({exc.__class__.__name__})")
+            return
+        except UPSTREAM_ERRORS as exc:
+            self._slow[key] = self._slow.get(key, 0) + 1
+            if self._slow[key] >= self.slow_limit:
+                _take_out(
+                    pool, index, f"health probe: {self._slow[key]} probes in a row failed ({exc!r})"
+                )
+            return
+        self._slow.pop(key, None)
+        if status == 200:
+            pool.mark_healthy(index)
+        else:
+            _take_out(pool, index, f"health probe: /health answered {status}")
+
+    async def probe_all(self, pools: list[WorkerPool]) -> None:
+        # Concurrent, so one hanging worker cannot delay news of another.
+        await asyncio.gather(*(self.probe(pool, i) for pool in pools for i in range(len(pool))))
 
 
 async def health_loop(
@@ -34,9 +74,9 @@ async def health_loop(
     interval_s: float,
     timeout: aiohttp.ClientTimeout,
 ) -> None:
+    prober = Prober(session, timeout)
     while True:
-        await asyncio.sleep(interval_s)
-        # Probes run concurrently so one hanging worker cannot delay another's return.
-        await asyncio.gather(
-            *(probe(session, pool, i, timeout) for pool in pools for i in pool.unhealthy_indices())
-        )
+        started = time.monotonic()
+        await prober.probe_all(pools)
+        # A fixed cadence: a round that waited on a slow worker does not delay the next one.
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from stages.engine import ServerSpec, VllmServer, on_cpu, parse_cores
 from stages.errors import EldrError
+from stages.serve.ports import check_free, free_ports
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class ClusterSpec:
     prefill: int = 1
     decode: int = 2
     base_port: int = 8100
-    nixl_base_port: int = 5600
+    # First NIXL side-channel port (one per worker, in order); None: ports the system reports
+    # free, so two deployments on one host never share one.
+    nixl_base_port: int | None = None
     max_model_len: int = 1024
     max_num_seqs: int = 8
     kv_cache_gib: int = 1
@@ -109,7 +112,29 @@ def check_worker_cores(worker_cores: tuple[str, ...], num_workers: int) -> None:
             )
 
 
-def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
+def worker_ports(spec: ClusterSpec) -> list[int]:
+    return [spec.base_port + i for i in range(spec.prefill + spec.decode)]
+
+
+def side_channel_ports(spec: ClusterSpec) -> list[int]:
+    """NIXL side-channel port per worker: the given range, checked free, or free ones."""
+    http = worker_ports(spec)
+    if spec.nixl_base_port is None:
+        return free_ports(len(http), avoid=http)
+    nixl = [spec.nixl_base_port + i for i in range(len(http))]
+    overlap = sorted(set(nixl) & set(http))
+    if overlap:
+        raise EldrError(
+            f"--nixl-port {spec.nixl_base_port}: ports {overlap} are also worker HTTP ports"
+            f" (--worker-port {spec.base_port}); the {len(http)} workers use"
+            f" {http[0]}-{http[-1]}"
+        )
+    check_free("--nixl-port", nixl)
+    return nixl
+
+
+def worker_specs(spec: ClusterSpec, nixl_ports: list[int]) -> list[ServerSpec]:
+    """The workers' specs, prefill workers first; ``nixl_ports`` has one port per worker."""
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
     if spec.worker_cores is not None:
         binding: list[str | None] = list(spec.worker_cores)
@@ -129,7 +154,7 @@ def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
             max_num_seqs=spec.max_num_seqs,
             kv_cache_gib=spec.kv_cache_gib,
             cpu_cores=binding[i],
-            nixl_side_channel_port=spec.nixl_base_port + i,
+            nixl_side_channel_port=nixl_ports[i],
             nixl_compat_check=not mixed,
             enforce_eager=spec.enforce_eager,
             gpu=gpus[i][0] if gpus else None,
@@ -141,16 +166,22 @@ def worker_specs(spec: ClusterSpec) -> list[ServerSpec]:
 
 
 class Cluster:
-    """The started workers. Use as a context manager: leaving it stops every process."""
+    """The started workers. Use as a context manager: leaving it stops every process.
+
+    The specs are fixed on creation (ports checked or chosen there), so the URLs are known
+    before anything starts, and a restarted worker comes back on the same ports.
+    """
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
+        check_free("--worker-port", worker_ports(spec))
+        self.specs = worker_specs(spec, side_channel_ports(spec))
         self.servers: list[VllmServer] = []
 
     def start(
         self, on_ready: Callable[[VllmServer], None] | None = None, timeout_s: float = 600.0
     ) -> None:
-        for server_spec in worker_specs(self.spec):
+        for server_spec in self.specs:
             self.servers.append(VllmServer(server_spec, self.spec.log_dir))
         pending = list(self.servers)
         deadline = time.monotonic() + timeout_s
@@ -167,13 +198,22 @@ class Cluster:
                         on_ready(server)
             time.sleep(0.5)
 
+    def restart(self, index: int) -> VllmServer:
+        """Replace worker ``index`` (stopped first, whatever its state) by a fresh one on the
+        same spec; its log continues the old one's. Returns at once: the proxy's health probes
+        see when it is ready."""
+        old = self.servers[index]
+        old.stop(grace_s=0.0)
+        self.servers[index] = VllmServer(old.spec, self.spec.log_dir, append=True)
+        return self.servers[index]
+
     @property
     def prefill_urls(self) -> list[str]:
-        return [s.url for s in self.servers if s.spec.role == "prefill"]
+        return [s.url for s in self.specs if s.role == "prefill"]
 
     @property
     def decode_urls(self) -> list[str]:
-        return [s.url for s in self.servers if s.spec.role == "decode"]
+        return [s.url for s in self.specs if s.role == "decode"]
 
     def stop(self) -> None:
         """Signal every worker first, then wait: all shut down in parallel."""

@@ -3,6 +3,8 @@ proxies in one process (tests, benches) do not collide."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -11,8 +13,37 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from stages.serve.workers import WorkerPool
+
+# Restarts so far of the worker at a URL (eldr serve's supervisor counts them).
+RestartCounts = Callable[[str], int]
+
+
+def no_restarts(url: str) -> int:
+    """For workers nobody restarts: attached ones, or a proxy started on its own."""
+    return 0
+
+
+class _Restarts(Collector):
+    """``eldr_worker_restarts_total``: read from the supervisor at scrape time, as the gauges
+    read the pools, so there is no second count to keep in step."""
+
+    def __init__(self, pools: tuple[WorkerPool, ...], restarts: RestartCounts) -> None:
+        self._pools = pools
+        self._restarts = restarts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "eldr_worker_restarts", "Restarts of a worker eldr started, after its process ended.",
+            labels=["worker"],
+        )
+        for pool in self._pools:
+            for i, url in enumerate(pool.urls):
+                family.add_metric([pool.name(i)], self._restarts(url))
+        yield family
 
 # Routing decisions take microseconds; the default buckets start at 5 ms.
 DECISION_BUCKETS = (
@@ -32,9 +63,12 @@ DECISION_BUCKETS = (
 
 
 class ProxyMetrics:
-    def __init__(self, decode: WorkerPool, prefill: WorkerPool) -> None:
+    def __init__(
+        self, decode: WorkerPool, prefill: WorkerPool, restarts: RestartCounts = no_restarts
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        r.register(_Restarts((prefill, decode), restarts))
         self.decisions = Counter(
             "eldr_router_decisions_total",
             "Decode routing decisions.",

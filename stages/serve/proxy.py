@@ -27,6 +27,7 @@ from stages.serve.auth import auth_middleware
 from stages.serve.completions import chat_completions, completions
 from stages.serve.config import ProxyConfig
 from stages.serve.health import health_loop
+from stages.serve.metrics import RestartCounts, no_restarts
 from stages.serve.online_refit import FitFn, balanced_fit
 from stages.serve.refit_task import refit_loop
 from stages.serve.responses import InternalErrorMiddleware, http_error
@@ -82,13 +83,17 @@ def create_app(
     *,
     artifact_loader: ArtifactLoader = load_from_store,
     refit_fn: FitFn = balanced_fit,
+    restarts: RestartCounts = no_restarts,
 ) -> Starlette:
     """The proxy app. Loads the artifact now, so a bad config fails before serving.
 
     ``artifact_loader`` and ``refit_fn`` exist for tests and the simulator; the defaults read
-    ``eldr fit``'s artifact store and run the balanced spherical k-means.
+    ``eldr fit``'s artifact store and run the balanced spherical k-means. ``restarts`` reports
+    how often `eldr serve` restarted each worker it started (metrics, admin state).
     """
-    state = build_state(config, artifact_loader=artifact_loader, refit_fn=refit_fn)
+    state = build_state(
+        config, artifact_loader=artifact_loader, refit_fn=refit_fn, restarts=restarts
+    )
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -138,12 +143,13 @@ def run_proxy(
     log_level: str = "info",
     *,
     artifact_loader: ArtifactLoader = load_from_store,
+    restarts: RestartCounts = no_restarts,
 ) -> None:
     """Serve the proxy until interrupted (blocking; the launcher's entry point)."""
     # Routing math is one small matrix-vector product per request on the event loop; BLAS
     # helper threads would only add wake-up latency and steal cores from co-located workers.
     threadpool_limits(1, user_api="blas")
-    app = create_app(config, artifact_loader=artifact_loader)
+    app = create_app(config, artifact_loader=artifact_loader, restarts=restarts)
     _configure_logging(log_level)
     uvicorn.run(
         app,

@@ -11,7 +11,7 @@ from stages.errors import EldrError
 from stages.serve.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.config import ProxyConfig
 from stages.serve.decode_router import DecodeRouter
-from stages.serve.metrics import ProxyMetrics
+from stages.serve.metrics import ProxyMetrics, RestartCounts, no_restarts
 from stages.serve.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.policies import needs_centroids
 from stages.serve.prefill_router import PrefillRouter
@@ -30,6 +30,7 @@ class ProxyState:
     router: DecodeRouter
     metrics: ProxyMetrics
     artifact_loader: ArtifactLoader
+    restarts: RestartCounts = no_restarts
     # Built once from the config: the per-request path only passes them along.
     prefill_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
     decode_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
@@ -53,6 +54,7 @@ def build_state(
     config: ProxyConfig,
     artifact_loader: ArtifactLoader = load_from_store,
     refit_fn: FitFn = balanced_fit,
+    restarts: RestartCounts = no_restarts,
 ) -> ProxyState:
     """Load the artifact (if configured) and wire the parts; errors surface before serving."""
     artifact = None
@@ -97,6 +99,7 @@ def build_state(
         decode=decode,
         prefill_router=PrefillRouter(config.prefill_urls),
         router=router,
-        metrics=ProxyMetrics(decode, prefill),
+        metrics=ProxyMetrics(decode, prefill, restarts),
         artifact_loader=artifact_loader,
+        restarts=restarts,
     )

@@ -81,6 +81,9 @@ class FakeBehavior:
     drop_after: int | None = None  # stream this many token events, then cut the connection
     stream_error: bool = False  # open streams with vLLM's error event (e.g. a failed KV load)
     healthy: bool = True
+    # /health turns 503 on the first completion request: a worker that breaks while in
+    # rotation (the proxy's probes would keep one that is down from the start out of it).
+    sick_after_request: bool = False
     signature: Callable[[dict[str, Any]], np.ndarray | None] = domain_signature
     received: list[Received] = field(default_factory=list)
 
@@ -89,6 +92,7 @@ class FakeBehavior:
         self.fail_status = self.drop_after = None
         self.stream_error = False
         self.healthy = True
+        self.sick_after_request = False
         self.signature = domain_signature
         self.received.clear()
 
@@ -139,6 +143,8 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
         body = orjson.loads(await request.body())
         rec = Received(request.url.path, dict(request.headers), body)
         behavior.received.append(rec)
+        if behavior.sick_after_request:
+            behavior.healthy = False
         if behavior.delay_s:
             await asyncio.sleep(behavior.delay_s)
         if behavior.fail_status is not None:
