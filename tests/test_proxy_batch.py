@@ -1,102 +1,36 @@
-"""Multi-prompt and n > 1 requests through the proxy, against workers that echo what they got.
-
-The workers here answer each decode with text naming its prompt, seed and the KV blocks of its
-hand-off, so a test sees which prefill and which prompt every merged choice came from.
-"""
+"""Multi-prompt and n > 1 requests through the proxy, against workers that echo what they got
+(tests/fakes/echo_worker.py), so a test sees which prefill and prompt every merged choice
+came from, and that a body only the stdlib's JSON reads (as vLLM reads bodies) reaches
+them as the client sent it."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
+import json
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from stages.serve.answer import Stream
 from stages.serve.batch_merge import Renames, merge_streams, merge_usage
 from stages.serve.batch_split import Part, prompts_of, split
 from stages.serve.config import ProxyConfig
+from stages.serve.payloads import prompt_key
 from stages.serve.proxy import create_app
 from stages.serve.request_body import RequestFields
 from stages.serve.state import ProxyState
 from stages.signature import wire
 from tests.fakes.artifact import domain_artifact
-from tests.fakes.worker import BackgroundServer, domain_signature, prompt_text
+from tests.fakes.echo_worker import CHAT, CMPL, Echo
+from tests.fakes.worker import BackgroundServer
 
 K = 3
-CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
-
-
-@dataclass
-class Echo:
-    """A worker: prefills hand out numbered blocks, decodes echo prompt, seed and blocks."""
-
-    name: str
-    received: list[dict[str, Any]] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)
-    blocks: Iterator[int] = field(default_factory=itertools.count)
-    reject: str | None = None  # answer 400 to prompts containing this
-    cut: str | None = None  # streams for prompts containing this break after one event
-    delay_s: float = 0.0
-
-    def app(self) -> Starlette:
-        return Starlette(routes=[Route(CMPL, self.serve, methods=["POST"]),
-                                 Route(CHAT, self.serve, methods=["POST"]),
-                                 Route("/health", lambda r: Response())])
-
-    async def serve(self, request: Request) -> Response:
-        body = orjson.loads(await request.body())
-        self.received.append(body)
-        self.headers.append(dict(request.headers))
-        chat = request.url.path == CHAT
-        rid = request.headers["x-request-id"]
-        prompt = prompt_text(body) if chat or isinstance(body.get("prompt"), str) else str(
-            body.get("prompt"))
-        if self.reject and self.reject in prompt:
-            return Response(orjson.dumps({"error": {"message": "too long", "code": 400}}), 400,
-                            media_type="application/json")
-        kv = body.get("kv_transfer_params") or {}
-        if kv.get("do_remote_decode"):
-            await asyncio.sleep(self.delay_s)
-            params = {"remote_block_ids": [next(self.blocks)], "remote_engine_id": self.name,
-                      **wire.encode(domain_signature(body))}
-            return Response(orjson.dumps({"choices": [{"index": 0, "text": "x"}],
-                                          "kv_transfer_params": params}),
-                            media_type="application/json")
-        text = f"{prompt}|seed={body.get('seed')}|blocks={kv.get('remote_block_ids')}|{self.name}"
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": 2,
-                 "total_tokens": len(prompt) + 2}
-        if not body.get("stream"):
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                      else {"index": 0, "text": text})
-            return Response(orjson.dumps({"id": f"cmpl-{rid}", "object": "x", "choices": [choice],
-                                          "usage": usage, "metrics": {"ttft": 1}}),
-                            media_type="application/json")
-
-        async def events() -> AsyncIterator[bytes]:
-            for i, piece in enumerate((text, "!")):
-                if i and self.cut and self.cut in prompt:
-                    raise RuntimeError("cut")
-                delta = {"delta": {"content": piece}} if chat else {"text": piece}
-                event = {"id": f"cmpl-{rid}", "choices": [{"index": 0, **delta}]}
-                yield b"data: " + orjson.dumps(event) + b"\n\n"
-                await asyncio.sleep(0.001)
-            if (body.get("stream_options") or {}).get("include_usage"):
-                event = {"id": f"cmpl-{rid}", "choices": [], "usage": usage}
-                yield b"data: " + orjson.dumps(event) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
 
 
 @dataclass
@@ -181,7 +115,8 @@ def test_each_prompt_gets_its_own_prefill_and_decode(env: Cluster) -> None:
     assert len({t[2] for t in texts}) == 3
     assert all("[" in t[2] for t in texts)
     prefills = env.prefill.received
-    assert sorted(p["prompt"] for p in prefills) == sorted(prompts)
+    # Each as a list of one: a batch element, as vLLM reads it ("" included).
+    assert sorted(p["prompt"] for p in prefills) == [[p] for p in sorted(prompts)]
     assert all(p["n"] == 1 and p["max_tokens"] == 1 for p in prefills)
     assert sorted(h["x-request-id"] for h in env.prefill.headers) == [
         "req-1-0", "req-1-1", "req-1-2"]
@@ -334,8 +269,8 @@ def test_split_indices_and_seeds() -> None:
     parts = split({"prompt": ["a", "b"], "seed": "3", "n": 2}, False, fields, 16)
     assert parts is not None
     assert [(p.body["prompt"], p.body["seed"], p.first_index, p.counts_prompt)
-            for p in parts] == [("a", 3, 0, True), ("a", 4, 1, False),
-                                ("b", 3, 2, True), ("b", 4, 3, False)]
+            for p in parts] == [(["a"], 3, 0, True), (["a"], 4, 1, False),
+                                (["b"], 3, 2, True), (["b"], 4, 3, False)]
     assert split({"prompt": "a"}, False, FIELDS, 16) is None
     assert split({"messages": []}, True, FIELDS, 16) is None
 
@@ -376,3 +311,44 @@ async def test_merge_streams_keeps_comments_and_drops_sub_dones() -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# --- bodies only the stdlib's JSON reads (as vLLM reads them) go through unchanged ----------
+
+# Not here: integers past 64 bits, which orjson reads as floats. Every integer field of vLLM's
+# request models is bounded to 64 bits, so vLLM refuses them either way (a 400 both ways).
+LAX_BODIES = {
+    "utf8-bom": b"\xef\xbb\xbf" + b'{"prompt": "domain=1", "max_tokens": 2}',
+    "utf16": '{"prompt": "domain=1", "max_tokens": 2}'.encode("utf-16"),
+    "utf32-no-bom": '{"prompt": "domain=1", "max_tokens": 2}'.encode("utf-32-le"),
+    "nan": b'{"prompt": "domain=1", "temperature": NaN}',
+    "infinity": b'{"prompt": "domain=1", "top_p": -Infinity}',
+    "lone-surrogate": b'{"prompt": "domain=1", "user": "\\ud800"}',
+}
+
+
+@pytest.mark.parametrize("raw", LAX_BODIES.values(), ids=LAX_BODIES.keys())
+def test_what_only_the_stdlib_reads_reaches_the_workers_unchanged(env: Cluster,
+                                                                   raw: bytes) -> None:
+    r = env.client.post(CMPL, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    sent = json.loads(raw)
+    for got in (*env.prefill.received, *env.decodes()):
+        for key in sent.keys() - {"max_tokens"}:
+            assert json.dumps(got[key]) == json.dumps(sent[key]), key  # NaN == NaN as text
+
+
+def test_split_of_a_lax_body_keeps_it_lax(env: Cluster) -> None:
+    raw = b'{"prompt": ["domain=0", "domain=1"], "temperature": NaN}'
+    r = env.client.post(CMPL, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert [math.isnan(d["temperature"]) for d in env.decodes()] == [True, True]
+
+
+def test_a_split_prompt_keeps_its_prefill_affinity() -> None:
+    assert prompt_key({"prompt": ["abc"]}, False) == prompt_key({"prompt": "abc"}, False)
+
+
+def test_prompt_key_of_what_orjson_cannot_write() -> None:
+    assert prompt_key({"prompt": "\ud800"}, False) == "\ud800".encode(errors="surrogatepass")
+    assert prompt_key({"prompt": [[2**70]]}, False) == b"[[1180591620717411303424]]"

@@ -70,7 +70,9 @@ def split(
         for i in range(choices):
             sub = dict(body)
             if prompts is not None:
-                sub["prompt"] = prompt
+                # A list of one, so the worker reads it as an element of a batch, as vLLM
+                # would ("" is refused as a whole prompt but not in a list).
+                sub["prompt"] = [prompt]
             if choices > 1:
                 sub["n"] = 1
                 if seed is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -21,7 +20,7 @@ from stages.serve.batch_split import split
 from stages.serve.decode_leg import hand_off, run_decode
 from stages.serve.disconnect import unless_client_leaves
 from stages.serve.prefill_leg import run_prefill
-from stages.serve.request_body import RequestFields, check_request_body, read_json_body
+from stages.serve.request_body import JsonBody, RequestFields, check_request_body, read_body
 from stages.serve.request_context import RequestContext, request_context
 from stages.serve.responses import ProxyError, UpstreamClientError
 from stages.serve.state import ProxyState
@@ -48,11 +47,11 @@ async def _handle(request: Request, chat: bool) -> Response:
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     reply_headers = {"X-Request-Id": request_id}
     try:
-        body = await read_json_body(request, state.config.max_body_bytes)
-        fields = check_request_body(body, chat)
+        read = await read_body(request, state.config.max_body_bytes)
+        fields = check_request_body(read.body, chat)
         if state.config.model is not None:
-            body.setdefault("model", state.config.model)
-        work = _plan(request, request_id, body, chat, fields)
+            read.body.setdefault("model", state.config.model)
+        work = _plan(request, request_id, read, chat, fields)
         answer = await unless_client_leaves(request.receive, work)
         if answer is None:
             metrics.request_errors.labels("client_disconnect").inc()
@@ -73,15 +72,15 @@ async def _handle(request: Request, chat: bool) -> Response:
 
 
 def _plan(
-    request: Request, request_id: str, body: dict[str, Any], chat: bool, fields: RequestFields
+    request: Request, request_id: str, read: JsonBody, chat: bool, fields: RequestFields
 ) -> Callable[[], Awaitable[Answer]]:
     state: ProxyState = request.app.state.proxy
-    parts = split(body, chat, fields, state.config.max_fanout)
+    parts = split(read.body, chat, fields, state.config.max_fanout)
     if parts is None:
-        ctx = request_context(request, request_id, body, chat)
+        ctx = request_context(request, request_id, read.body, chat, read.lax)
         return lambda: serve_one(ctx)
     subs = [
-        request_context(request, f"{request_id}-{k}", part.body, chat, request_id)
+        request_context(request, f"{request_id}-{k}", part.body, chat, read.lax, request_id)
         for k, part in enumerate(parts)
     ]
     return lambda: serve_batch(subs, parts, request_id)

@@ -13,6 +13,7 @@ hand-off.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -20,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from stages.serve.request_body import lax_int
+from stages.serve.request_body import dump_json, lax_int
 from stages.signature import wire
 
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = MappingProxyType(
@@ -44,18 +45,20 @@ class Legs:
     key: bytes  # the prompt's prefix-routing key
     body: Mapping[str, Any]  # the client's body for this (sub-)request, read only
     stream: bool
+    lax_json: bool  # the body holds values only the stdlib's JSON writes back as they came
 
     def decode_payload(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
-        return orjson.dumps(decode_body(self.body, kv_transfer_params))
+        return dump_json(decode_body(self.body, kv_transfer_params), self.lax_json)
 
 
-def plan_legs(body: dict[str, Any], chat: bool) -> Legs:
+def plan_legs(body: dict[str, Any], chat: bool, lax_json: bool = False) -> Legs:
     """``body`` was checked (``stream`` is a bool); it must not change afterwards."""
     return Legs(
-        prefill=orjson.dumps(prefill_body(body, chat)),
+        prefill=dump_json(prefill_body(body, chat), lax_json),
         key=prompt_key(body, chat),
         body=MappingProxyType(body),
         stream=bool(body.get("stream", False)),
+        lax_json=lax_json,
     )
 
 
@@ -101,15 +104,27 @@ def decode_body(
     return out
 
 
-def prompt_key(body: dict[str, Any], chat: bool) -> bytes:
+def prompt_key(body: Mapping[str, Any], chat: bool) -> bytes:
     """Bytes whose prefix identifies the prompt for prefix-affinity prefill routing."""
     if chat:
         parts: list[bytes] = []
         for message in body.get("messages") or ():
             content = message.get("content") if isinstance(message, dict) else message
-            parts.append(content.encode() if isinstance(content, str) else orjson.dumps(content))
+            parts.append(_key_bytes(content))
         return b"\n".join(parts)
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt.encode()
-    return orjson.dumps(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        # One prompt of a split batch: the same key as that prompt sent on its own.
+        prompt = prompt[0]
+    return _key_bytes(prompt)
+
+
+def _key_bytes(value: object) -> bytes:
+    # Lone surrogates and big integers reach here from bodies only the stdlib's JSON reads;
+    # the key only has to be stable, not valid UTF-8.
+    if isinstance(value, str):
+        return value.encode(errors="surrogatepass")
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value).encode()

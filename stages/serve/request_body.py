@@ -8,6 +8,7 @@ mode, so what it coerces ("true" for a bool, 5.0 or "5" for an int) is accepted 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -44,12 +45,28 @@ def bad_request(message: str, param: str | None = None) -> ProxyError:
 
 
 def is_json_media_type(content_type: str | None) -> bool:
-    """vLLM's ``validate_json_request``: the media type must be exactly application/json."""
-    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    """vLLM's ``validate_json_request``: the media type must be exactly application/json.
+
+    Not stripped, as vLLM does not strip it: ``application/json ; charset=utf-8`` is refused.
+    """
+    media_type = (content_type or "").lower().split(";", 1)[0]
     return media_type == "application/json"
 
 
+@dataclass(frozen=True)
+class JsonBody:
+    body: dict[str, Any]
+    # Read by the stdlib's parser, not orjson's (see ``parse_json``): it may hold values that
+    # only the stdlib writes back as they came (NaN, Infinity, lone surrogates).
+    lax: bool
+
+
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object (see ``read_body``)."""
+    return (await read_body(request, limit)).body
+
+
+async def read_body(request: Request, limit: int) -> JsonBody:
     """The body as a JSON object: 413 over ``limit``, else 400 for a wrong media type or JSON.
 
     The size comes first (deliberately earlier than vLLM, which reads any size). The media
@@ -65,6 +82,32 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     if not json_declared:
         raise bad_request(_UNSUPPORTED_MEDIA)
     return body
+
+
+def parse_json(raw: bytes) -> tuple[object, bool]:
+    """``raw`` as vLLM reads it (Starlette's ``json.loads``), and whether orjson could not.
+
+    orjson first, as it is fast and reads every body a client normally sends. What only the
+    stdlib takes (a UTF-8 BOM, UTF-16 or UTF-32, NaN and Infinity, lone surrogates) vLLM takes
+    too, so the proxy must not refuse it. (orjson reads an integer past 64 bits as a float;
+    vLLM bounds every integer field to 64 bits, so it refuses such a value either way.)
+    """
+    try:
+        return orjson.loads(raw), False
+    except orjson.JSONDecodeError as exc:
+        strict_error = exc
+    try:
+        return json.loads(raw), True
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise bad_request(f"request body is not valid JSON: {strict_error}") from exc
+
+
+def dump_json(value: object, lax: bool) -> bytes:
+    """``value`` as JSON the workers read back unchanged; ``lax`` as from ``parse_json``."""
+    if lax:
+        # orjson would write NaN as null and refuse lone surrogates.
+        return json.dumps(value).encode()
+    return orjson.dumps(value)
 
 
 def lax_bool(value: object) -> bool | None:
@@ -134,6 +177,33 @@ def _check_token_limit(body: dict[str, Any], key: str) -> None:
         raise bad_request(f'"{key}" must be >= 0, got {limit}', key)
 
 
+def _check_decode_only_rules(body: dict[str, Any], chat: bool) -> None:
+    """vLLM's request-model rules that only the decode leg's body can break.
+
+    The prefill's body has stream off, no stream_options and max_tokens 1, so it passes these;
+    refused by the decode worker's request model, the request would never pull the prompt's
+    KV blocks, which then stay pinned on the prefill worker until NIXL's timeout. Read on the
+    raw values, as vLLM's ``mode="before"`` validators read them.
+    """
+    stream = body.get("stream")
+    if body.get("stream_options") and not stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.",
+                          "stream_options")
+    prompt_logprobs = body.get("prompt_logprobs")
+    numeric = isinstance(prompt_logprobs, int | float)
+    if stream and numeric and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                          "prompt_logprobs")
+    if not chat and body.get("logprob_token_ids") and body.get("echo") and (
+        body.get("max_tokens") == 0
+    ):
+        raise bad_request(
+            "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because"
+            " no output tokens are generated.",
+            "logprob_token_ids",
+        )
+
+
 def _read_n(body: dict[str, Any], chat: bool) -> int:
     # CompletionRequest.n: int = 1; ChatCompletionRequest.n: int | None = 1. SamplingParams
     # wants 1 <= n <= MAX_N.
@@ -165,6 +235,7 @@ def check_request_body(body: dict[str, Any], chat: bool) -> RequestFields:
     would refuse before any prefill runs: a leg refused after the prefill leaves its KV blocks
     pinned on the prefill worker until NIXL's timeout.
     """
+    _check_decode_only_rules(body, chat)
     if chat:
         _check_messages(body)
     elif not _is_prompt(body.get("prompt")):
@@ -187,7 +258,7 @@ def check_request_body(body: dict[str, Any], chat: bool) -> RequestFields:
     )
 
 
-async def _read_json_object(request: Request, limit: int) -> dict[str, Any]:
+async def _read_json_object(request: Request, limit: int) -> JsonBody:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProxyError(413, f"request body over the {limit}-byte limit", "too_large")
@@ -199,10 +270,7 @@ async def _read_json_object(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise ProxyError(413, f"request body over the {limit}-byte limit", "too_large")
         chunks.append(chunk)
-    try:
-        body = orjson.loads(b"".join(chunks))
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    body, lax = parse_json(b"".join(chunks))
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    return body
+    return JsonBody(body, lax)

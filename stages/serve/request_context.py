@@ -55,11 +55,13 @@ def request_context(
     request_id: str,
     body: dict[str, Any],
     chat: bool,
+    lax_json: bool,
     client_request_id: str | None = None,
 ) -> RequestContext:
     """The context of a request whose ``body`` was read and checked.
 
-    A sub-request of a batch has its own ``request_id`` and body; ``client_request_id`` is the
+    ``lax_json`` says the body was read by the stdlib's JSON (``request_body.parse_json``). A
+    sub-request of a batch has its own ``request_id`` and body; ``client_request_id`` is the
     client request's id, which its answer carries.
     """
     state: ProxyState = request.app.state.proxy
@@ -78,7 +80,7 @@ def request_context(
         path=request.url.path,
         chat=chat,
         request_id=request_id,
-        legs=plan_legs(body, chat),
+        legs=plan_legs(body, chat, lax_json),
         headers=MappingProxyType(headers),
         reply_headers=MappingProxyType({"X-Request-Id": client_request_id or request_id}),
         arrived=time.monotonic(),
