@@ -182,6 +182,14 @@ class VllmServer:
         """None while the server runs; its exit status once it and all it started are gone."""
         return self.proc.poll()
 
+    def engine_dead(self) -> bool:
+        """Whether the server runs but says its engine died: vLLM's API server outlives a dead
+        engine core, answering /health with 503, until a request fails on it."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 503
+        except httpx.HTTPError:
+            return False  # not answering at all: the process's exit (or the probes) will tell
+
     def poll_ready(self) -> bool:
         if self.proc.poll() is not None:
             raise EldrError(

@@ -38,9 +38,13 @@ class FakeWorker:
     started_at: float
     log_path: Path = Path("/logs/worker.log")
     code: int | None = None
+    dead: bool = False
 
     def exit_code(self) -> int | None:
         return self.code
+
+    def engine_dead(self) -> bool:
+        return self.dead
 
 
 @dataclass
@@ -80,7 +84,7 @@ def test_a_crash_loop_backs_off_and_a_stable_worker_restarts_fast(
     clock.now = 10.0
     workers.servers[0].code = -9
     assert _delay_to_restart(supervisor, workers, clock) == 1.0
-    assert "worker http://w0 exited with code -9 after 10 s; restarting in 1 s" in caplog.text
+    assert "worker http://w0 exited with code -9 after 10 s up; restarting in 1 s" in caplog.text
     # Crashes soon after each start: the delay doubles up to its cap.
     delays = []
     for _ in range(3):
@@ -111,6 +115,29 @@ def test_a_restart_that_cannot_start_a_process_is_tried_again(
     assert supervisor.restarts("http://w0") == 1
 
 
+def test_a_worker_whose_engine_died_is_restarted_once_it_keeps_saying_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    workers = FakeWorkers(clock, [FakeWorker("http://w0", 0.0)])
+    supervisor = Supervisor(workers, Backoff(first_s=1.0, dead_engine_s=3.0), clock=clock)
+    workers.servers[0].dead = True
+    clock.now = 1.0
+    supervisor.check()
+    workers.servers[0].dead = False  # one 503 (a shutdown under way, say) is not enough
+    clock.now = 5.0
+    supervisor.check()
+    workers.servers[0].dead = True
+    for now in (6.0, 8.0, 8.75):
+        clock.now = now
+        supervisor.check()
+    assert workers.restarted == []
+    # 3 s of "engine died", then the usual first delay.
+    assert _delay_to_restart(supervisor, workers, clock) == 1.25
+    assert "has answered /health 503 (its engine died) for 3 s" in caplog.text
+    assert workers.restarted == [(0, 10.0)]
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     backoff = Backoff(first_s=0.5, max_s=10.0)
     assert [backoff.delay(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
@@ -135,6 +162,9 @@ class WorkerProcess:
 
     def exit_code(self) -> int | None:
         return self.proc.poll()
+
+    def engine_dead(self) -> bool:
+        return False  # a fake worker has no engine to lose; killing its process is the test
 
     def worker_pid(self) -> int:
         """The fake worker itself (the keeper's child), the process a crash would end."""
