@@ -93,7 +93,7 @@ def test_distinct_experts_per_layer() -> None:
 
 def test_expected_step_experts_matches_sampling() -> None:
     """The closed form equals a Monte Carlo of requests drawing their top-k picks."""
-    from stages.bench.expert_union import inclusion_log_complement
+    from stages.signature.inclusion import inclusion_log_complement
     from stages.fit.pipeline import expected_step_experts_per_layer
 
     rng = np.random.default_rng(3)

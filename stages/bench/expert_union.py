@@ -20,32 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# pi = 1 would make log(1 - pi) = -inf and poison the running sum on removal.
-_PI_MAX = 1.0 - 1e-9
-
-
-def inclusion_log_complement(
-    decode_counts: np.ndarray, top_k: int, fallback: np.ndarray | None = None
-) -> np.ndarray:
-    """``log(1 - pi)`` flattened to ``[L*E]`` for one request's ``[L, E]`` decode counts.
-
-    A layer without decode counts (a one-token answer) uses ``fallback`` (its prefill counts),
-    else a uniform ``k/E``.
-    """
-    counts = decode_counts.astype(np.float64)
-    per_layer = counts.sum(axis=1, keepdims=True)
-    if fallback is not None and (per_layer == 0).any():
-        fb = fallback.astype(np.float64)
-        empty = per_layer[:, 0] == 0
-        counts[empty] = fb[empty]
-        per_layer = counts.sum(axis=1, keepdims=True)
-    num_experts = counts.shape[1]
-    pi = np.where(
-        per_layer > 0,
-        counts * top_k / np.where(per_layer > 0, per_layer, 1.0),
-        top_k / num_experts,
-    )
-    return np.log1p(-np.minimum(pi, _PI_MAX)).ravel()
+from stages.signature.inclusion import PI_MAX, inclusion_log_complement
 
 
 class DecodeProfiles:
@@ -84,7 +59,7 @@ class DecodeProfiles:
         if self._needs_fallback[row]:
             return inclusion_log_complement(self._decode[row], self._top_k, self._prefill[row])
         pi = self._decode[row] * self._scale[row]
-        np.minimum(pi, _PI_MAX, out=pi)
+        np.minimum(pi, PI_MAX, out=pi)
         np.negative(pi, out=pi)
         np.log1p(pi, out=pi)
         return pi.ravel()

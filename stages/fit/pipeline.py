@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from stages.bench.expert_union import inclusion_log_complement
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
 from stages.fit.kmeans import balanced_spherical_kmeans
 from stages.signature.dataset import ModelIdentity
+from stages.signature.inclusion import inclusion_log_complement
 from stages.signature.transform import fit_transform
 
 # Random batches drawn for the baseline: enough for a stable mean even with few same-cluster

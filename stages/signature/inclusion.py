@@ -1,0 +1,40 @@
+"""A request's per-step expert inclusion probabilities, from its decode counts.
+
+A request's decode profile gives, per layer l and expert e, the fraction of its generated
+tokens whose top-k picked e: ``pi[l, e] = decode_counts[l, e] / tokens`` (so
+``sum_e pi = k``). One decode step of a batch activates expert (l, e) with probability
+``1 - prod_r (1 - pi_r[l, e])``, requests drawn independently. Kept as ``log(1 - pi)`` so a
+batch's miss probability is a sum. Shared by the fit (held-out gain estimate) and the
+simulator (step times), so both read a decode profile the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# pi = 1 would make log(1 - pi) = -inf and poison a running sum on removal.
+PI_MAX = 1.0 - 1e-9
+
+
+def inclusion_log_complement(
+    decode_counts: np.ndarray, top_k: int, fallback: np.ndarray | None = None
+) -> np.ndarray:
+    """``log(1 - pi)`` flattened to ``[L*E]`` for one request's ``[L, E]`` decode counts.
+
+    A layer without decode counts (a one-token answer) uses ``fallback`` (its prefill counts),
+    else a uniform ``k/E``.
+    """
+    counts = decode_counts.astype(np.float64)
+    per_layer = counts.sum(axis=1, keepdims=True)
+    if fallback is not None and (per_layer == 0).any():
+        fb = fallback.astype(np.float64)
+        empty = per_layer[:, 0] == 0
+        counts[empty] = fb[empty]
+        per_layer = counts.sum(axis=1, keepdims=True)
+    num_experts = counts.shape[1]
+    pi = np.where(
+        per_layer > 0,
+        counts * top_k / np.where(per_layer > 0, per_layer, 1.0),
+        top_k / num_experts,
+    )
+    return np.log1p(-np.minimum(pi, PI_MAX)).ravel()
