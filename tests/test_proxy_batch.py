@@ -45,7 +45,7 @@ class Cluster:
             e.received.clear()
             e.headers.clear()
             e.reject = e.cut = None
-            e.delay_s = 0.0
+            e.delay_s = e.decode_delay_s = 0.0
 
     def decodes(self) -> list[dict[str, Any]]:
         return [b for d in self.decode for b in d.received]
@@ -246,6 +246,21 @@ def test_client_leaving_a_merged_stream_frees_every_worker(env: Cluster) -> None
         chunks = r.iter_raw()
         assert next(chunks).startswith(b"data: ")
     deadline = time.monotonic() + 3
+    while env.inflight() != [0] * K and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert env.inflight() == [0] * K
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_the_merged_answer_frees_every_worker(
+    env: Cluster, stream: bool
+) -> None:
+    for d in env.decode:
+        d.decode_delay_s = 2.0
+    body = {"prompt": ["domain=0 a", "domain=1 b", "domain=2 c"], "stream": stream}
+    with pytest.raises(httpx.ReadTimeout):
+        env.client.post(CMPL, json=body, timeout=0.5)
+    deadline = time.monotonic() + 1.0  # well before the slow decode would have answered
     while env.inflight() != [0] * K and time.monotonic() < deadline:
         time.sleep(0.01)
     assert env.inflight() == [0] * K

@@ -36,7 +36,8 @@ class Echo:
     blocks: Iterator[int] = field(default_factory=itertools.count)
     reject: str | None = None  # answer 400 to prompts containing this
     cut: str | None = None  # streams for prompts containing this break after one event
-    delay_s: float = 0.0
+    delay_s: float = 0.0  # before answering a prefill
+    decode_delay_s: float = 0.0  # before answering a decode
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route(CMPL, self.serve, methods=["POST"]),
@@ -61,6 +62,7 @@ class Echo:
             return Response(orjson.dumps({"choices": [{"index": 0, "text": "x"}],
                                           "kv_transfer_params": params}),
                             media_type="application/json")
+        await asyncio.sleep(self.decode_delay_s)
         text = f"{prompt}|seed={body.get('seed')}|blocks={kv.get('remote_block_ids')}|{self.name}"
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 2,
                  "total_tokens": len(prompt) + 2}
