@@ -61,6 +61,7 @@ def cluster() -> Iterator[Cluster]:
     config = ProxyConfig(
         prefill_urls=(servers[0].url,), decode_urls=tuple(s.url for s in servers[1:]),
         policy="eldr", tau=0.0, artifact_store=Path("/a"), model="m", max_fanout=8,
+        max_body_bytes=64 * 1024,
         connect_timeout_s=1.0, prefill_timeout_s=3.0, decode_timeout_s=3.0,
         health_interval_s=0.05,
     )
@@ -200,6 +201,16 @@ def test_fan_out_limit_and_n_checks(env: Cluster) -> None:
     assert env.client.post(CHAT, json=chat).status_code == 200  # chat's n may be null
 
 
+def test_a_split_may_not_multiply_a_body_into_megabytes(env: Cluster) -> None:
+    # 40 KB of fields repeated by 8 sub-requests: over 4 x the 64 KiB body limit.
+    body = {"prompt": [f"p{i}" for i in range(8)], "logit_bias": {str(i): 0 for i in range(4000)}}
+    r = env.client.post(CMPL, json=body)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "too_large"
+    assert not env.prefill.received
+    body["logit_bias"] = {"1": 0}
+    assert env.client.post(CMPL, json=body).status_code == 200
+
+
 # --- streams --------------------------------------------------------------------------------
 
 
@@ -281,13 +292,13 @@ def test_prompts_of_reads_like_vllms_union() -> None:
 
 def test_split_indices_and_seeds() -> None:
     fields = RequestFields(stream=False, n=2, beam_search=False)
-    parts = split({"prompt": ["a", "b"], "seed": "3", "n": 2}, False, fields, 16)
+    parts = split({"prompt": ["a", "b"], "seed": "3", "n": 2}, False, fields, 16, 10**6)
     assert parts is not None
     assert [(p.body["prompt"], p.body["seed"], p.first_index, p.counts_prompt)
             for p in parts] == [(["a"], 3, 0, True), (["a"], 4, 1, False),
                                 (["b"], 3, 2, True), (["b"], 4, 3, False)]
-    assert split({"prompt": "a"}, False, FIELDS, 16) is None
-    assert split({"messages": []}, True, FIELDS, 16) is None
+    assert split({"prompt": "a"}, False, FIELDS, 16, 10**6) is None
+    assert split({"messages": []}, True, FIELDS, 16, 10**6) is None
 
 
 def test_usage_merge() -> None:

@@ -15,10 +15,14 @@ is the beam width, and one request per prompt answers all its beams.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from stages.serve.request_body import RequestFields, bad_request, lax_int
+from stages.serve.responses import ProxyError
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,13 @@ def prompts_of(body: dict[str, Any]) -> list[Any] | None:
 
 
 def split(
-    body: dict[str, Any], chat: bool, fields: RequestFields, limit: int
+    body: dict[str, Any], chat: bool, fields: RequestFields, limit: int, byte_budget: int
 ) -> list[Part] | None:
     """The sub-requests of ``body``; None when it asks for one sequence (served as it is).
 
     More than ``limit`` sub-requests is a 400: each costs the proxy two upstream requests.
+    Each sub-request repeats every field but the prompt, so those repeats may add up to
+    ``byte_budget`` bytes, else a 413: a small body must not become gigabytes upstream.
     """
     prompts = None if chat else prompts_of(body)
     _check_embeds(body, prompts)
@@ -63,6 +69,14 @@ def split(
             f"this request asks for {count} sequences (prompts x n); the proxy serves at most"
             f" {limit} per request, one prefill and one decode each",
             "n" if prompts is None else "prompt",
+        )
+    shared = _json_size({k: v for k, v in body.items() if k != "prompt" or prompts is None})
+    if count * shared > byte_budget:
+        raise ProxyError(
+            413,
+            f"split into {count} sequences, this request would send {count * shared} bytes of"
+            f" repeated fields upstream; the proxy's limit is {byte_budget}",
+            "too_large",
         )
     seed = _seed(body) if choices > 1 else None
     parts = []
@@ -79,6 +93,13 @@ def split(
                     sub["seed"] = seed + i
             parts.append(Part(sub, p, p * fields.n + i, counts_prompt=i == 0))
     return parts
+
+
+def _json_size(value: object) -> int:
+    try:
+        return len(orjson.dumps(value))
+    except orjson.JSONEncodeError:  # lone surrogates, from a body only the stdlib read
+        return len(json.dumps(value))
 
 
 def _seed(body: dict[str, Any]) -> int | None:

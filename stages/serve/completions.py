@@ -75,7 +75,9 @@ def _plan(
     request: Request, request_id: str, read: JsonBody, chat: bool, fields: RequestFields
 ) -> Callable[[], Awaitable[Answer]]:
     state: ProxyState = request.app.state.proxy
-    parts = split(read.body, chat, fields, state.config.max_fanout)
+    config = state.config
+    # The bytes a split may repeat upstream: a few bodies' worth.
+    parts = split(read.body, chat, fields, config.max_fanout, 4 * config.max_body_bytes)
     if parts is None:
         ctx = request_context(request, request_id, read.body, chat, read.lax)
         return lambda: serve_one(ctx)
