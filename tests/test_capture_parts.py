@@ -155,3 +155,33 @@ def test_router_hook_records_when_the_layer_is_compiled() -> None:
     assert any("eldr.record_topk" in code for code in graphs), graphs
     torch.testing.assert_close(layer.eldr_topk_ids[:3], ids.to(torch.int32))
     assert (layer.eldr_topk_ids[3:] == UNWRITTEN).all()
+
+
+def kv_config(*specs: object) -> SimpleNamespace:
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    return SimpleNamespace(kv_cache_groups=[
+        KVCacheGroupSpec(layer_names=[f"model.layers.{i}.attn"], kv_cache_spec=spec)
+        for i, spec in enumerate(specs)
+    ])
+
+
+def test_signatures_follow_a_full_attention_group_under_hma() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from stages.capture.kv_group import signature_group
+
+    shape = dict(num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    sliding = SlidingWindowSpec(block_size=16, sliding_window=32, **shape)
+    full = FullAttentionSpec(block_size=32, **shape)
+    # Sliding-window blocks are freed as the window moves: the full group is the one to sum.
+    group = signature_group(kv_config(sliding, full))
+    assert (group.index, group.block_size, group.layer_name) == (1, 32, "model.layers.1.attn")
+    assert signature_group(kv_config(full)).index == 0  # no HMA: one group
+    with pytest.raises(RuntimeError, match="no full-attention KV cache group"):
+        signature_group(kv_config(sliding))
+
+    ledger = SignatureLedger(block_size=32, shape=None, count_decode=False, group=1)
+    step = scheduled("a", 40, [])
+    step.scheduled_new_reqs[0].block_ids = ([7, 8, 9], [3, 4])  # (sliding, full)
+    assert ledger.plan(step).snapshots == {"a": [3, 4]}

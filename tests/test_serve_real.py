@@ -15,8 +15,9 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -25,6 +26,9 @@ import pytest
 from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
 from tests.conftest import free_port, requires_vllm
+from tests.fakes.worker import BackgroundServer
+from tests.test_proxy_errors import CASES, LIMIT
+from tests.vllm_parity import BATCHES, MORE_CASES, answer, status_of
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -43,6 +47,8 @@ class Deployment:
     proxy_url: str
     reference: dict[str, str]  # prompt -> greedy output of a single plain vLLM server
     dataset: Path
+    # (batch name, stream) -> the plain server's answer (tests.vllm_parity.answer)
+    batches: dict[tuple[str, bool], dict[str, Any]] = field(default_factory=dict)
 
 
 def _eldr(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> str:
@@ -95,6 +101,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
         cluster.start(timeout_s=400)
         plain.wait_ready(timeout_s=300)
         reference = {p: _complete(plain.url, p) for p in PROMPTS}
+        batches = {(name, stream): answer(plain.url, path, body, stream)
+                   for name, (path, body) in BATCHES.items() for stream in (False, True)}
         plain.stop()
         proxy_port = free_port()
         from stages.serve.config import ProxyConfig
@@ -119,7 +127,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        yield Deployment(cluster, url, reference, work / "signatures.zarr")
+        yield Deployment(cluster, url, reference, work / "signatures.zarr", batches)
         server.should_exit = True
         thread.join(timeout=10)
     finally:
@@ -138,6 +146,53 @@ def test_outputs_through_proxy_equal_single_server(
         assert _complete(deployment.proxy_url, prompt, stream=stream) == deployment.reference[
             prompt
         ]
+
+
+def test_workers_keep_vllms_hybrid_kv_cache_manager(deployment: Deployment) -> None:
+    # vLLM turns its hybrid KV cache manager off for the whole engine when any connector lacks
+    # SupportsHMA (sliding-window models then run slower): eldr's connector must not be one.
+    for server in deployment.cluster.servers:
+        log = server.log_path.read_text(errors="replace")
+        assert "Turning off hybrid kv cache manager" not in log, server.log_path
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", BATCHES)
+def test_batches_through_proxy_equal_single_server(
+    deployment: Deployment, name: str, stream: bool
+) -> None:
+    """Prompt lists, token-id lists, n > 1 (greedy and seeded), echo, chat: each sequence its
+    own prefill and decode, merged into what one vLLM server answers."""
+    path, body = BATCHES[name]
+    assert answer(deployment.proxy_url, path, body, stream) == deployment.batches[name, stream]
+
+
+def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
+    """The malformed-request table against a proxy on the live workers and against vLLM
+    itself (a decode worker), status for status; the proxy's own routes (/admin) have no
+    vLLM counterpart, and an oversized body is the proxy's 413 by design."""
+    from stages.serve.config import ProxyConfig
+    from stages.serve.proxy import create_app
+
+    cluster = deployment.cluster
+    config = ProxyConfig(
+        prefill_urls=tuple(cluster.prefill_urls), decode_urls=tuple(cluster.decode_urls),  # type: ignore[attr-defined]
+        policy="rr", model="tiny", max_body_bytes=LIMIT,
+    )
+    vllm = cluster.decode_urls[0]  # type: ignore[attr-defined]
+    cases = [c for c in (*CASES, *MORE_CASES) if not c.path.startswith("/admin")]
+    assert len(cases) >= 40
+    differ = []
+    with BackgroundServer(create_app(config)) as proxy:
+        for case in cases:
+            got = status_of(proxy.url, case)
+            if case.status == 413:
+                assert got == 413, case.id
+                continue
+            want = status_of(vllm, case)
+            if got != want or (case in MORE_CASES and want != case.status):
+                differ.append(f"{case.id}: proxy {got}, vLLM {want}, listed {case.status}")
+    assert not differ, "\n".join(differ)
 
 
 def test_decode_workers_load_kv_from_prefill(deployment: Deployment) -> None:

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -34,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
+from stages.capture.kv_group import signature_group
 from stages.capture.ledger import SignatureLedger
 from stages.capture.messages import StepPlan, StepReport
 from stages.capture.recorder import SignatureRecorder
@@ -72,25 +74,31 @@ def restore_compute_affinity() -> None:
     os.sched_setaffinity(0, {cores[0]})
 
 
-class EldrSignatureConnector(KVConnectorBase_V1):
+class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
+    # SupportsHMA: without it vLLM turns its hybrid KV cache manager off for the whole engine,
+    # which slows sliding-window models (GPT-OSS, Gemma) and stops hybrid SSM models starting.
+    # Signatures follow one full-attention group (stages.capture.kv_group).
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._count_decode = bool(extra.get("count_decode", False))
-        self._block_size = vllm_config.cache_config.block_size
+        group = signature_group(kv_cache_config)
         self._recorder: SignatureRecorder | None = None
         self._ledger: SignatureLedger | None = None
         self._pending_report: StepReport | None = None
         self._stats = EldrConnectorStats()
         self._reported_failure = False  # logged once per engine, counted every time
         if role == KVConnectorRole.SCHEDULER:
-            self._ledger = SignatureLedger(self._block_size, None, self._count_decode)
+            self._ledger = SignatureLedger(group.block_size, None, self._count_decode,
+                                           group=group.index)
         else:
             self._recorder = SignatureRecorder(
-                kv_cache_config.num_blocks, self._block_size,
+                kv_cache_config.num_blocks, group.block_size,
                 vllm_config.scheduler_config.max_num_batched_tokens,
+                slot_layer=group.layer_name,
             )
 
     @property
@@ -178,6 +186,12 @@ class EldrSignatureConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._ledger is not None
         return False, self._ledger.finished(request.request_id)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The ledger tracked the request's blocks itself; which ones it holds now is not needed.
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._stats.is_empty():

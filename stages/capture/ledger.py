@@ -36,8 +36,11 @@ class _Tracked:
 
 
 class SignatureLedger:
-    def __init__(self, block_size: int, shape: tuple[int, int] | None, count_decode: bool) -> None:
+    def __init__(
+        self, block_size: int, shape: tuple[int, int] | None, count_decode: bool, group: int = 0
+    ) -> None:
         self.block_size = block_size
+        self.group = group  # the KV cache group whose blocks hold signatures (kv_group)
         self.shape = shape  # (L, E) once known from a report
         self.count_decode = count_decode
         self._requests: dict[str, _Tracked] = {}
@@ -62,7 +65,7 @@ class SignatureLedger:
             prompt_len = len(new.prompt_token_ids or ())
             tracked = _Tracked(
                 prompt_len=prompt_len,
-                block_ids=list(new.block_ids[0]),
+                block_ids=list(new.block_ids[self.group]),
                 computed=new.num_computed_tokens,
                 remote=new.req_id in remote,
             )
@@ -76,10 +79,10 @@ class SignatureLedger:
             new_blocks = cached.new_block_ids[i]
             resumed = req_id in cached.resumed_req_ids
             if resumed:
-                tracked.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracked.block_ids = list(new_blocks[self.group]) if new_blocks else []
                 tracked.decode_counts = None  # recomputation re-adds the decode tokens
             elif new_blocks:
-                tracked.block_ids.extend(new_blocks[0])
+                tracked.block_ids.extend(new_blocks[self.group])
             tracked.computed = cached.num_computed_tokens[i]
             self._plan_request(plan, req_id, tracked, scheduled.get(req_id, 0), resumed)
         plan.decode_only = bool(scheduled) and all(

@@ -63,18 +63,22 @@ def _route_monolithic_kernel(layer: torch.nn.Module) -> None:
     layer.routed_experts.routing_sink = sink(experts.moe_config, TopkSink(layer))
 
 
-def current_slot_mapping() -> torch.Tensor | None:
-    """This step's token -> KV slot map (the same for every attention layer of one group)."""
+def current_slot_mapping(layer_name: str | None = None) -> torch.Tensor | None:
+    """This step's token -> KV slot map of ``layer_name``'s KV cache group (default: the first
+    layer's), whole even when vLLM splits the step into micro-batches."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
         return None
     mapping = get_forward_context().slot_mapping
-    if isinstance(mapping, list):
-        mapping = mapping[0] if mapping else {}
-    for slots in mapping.values():
-        return slots
-    return None
+    parts = mapping if isinstance(mapping, list) else [mapping]
+    slices = [
+        part[layer_name] if layer_name is not None else next(iter(part.values()))
+        for part in parts if part
+    ]
+    if not slices:
+        return None
+    return slices[0] if len(slices) == 1 else torch.cat(slices)
 
 
 class SignatureRecorder:
@@ -91,8 +95,11 @@ class SignatureRecorder:
     CHECK_FIRST_STEPS = 32
     CHECK_EVERY = 64
 
-    def __init__(self, num_blocks: int, block_size: int, max_tokens: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, max_tokens: int, slot_layer: str | None = None
+    ) -> None:
         self.num_blocks = num_blocks
+        self.slot_layer = slot_layer  # a layer of the KV cache group signatures follow
         self.block_size = block_size
         self.max_tokens = max_tokens
         self.num_layers = 0
@@ -163,7 +170,7 @@ class SignatureRecorder:
             return None
         n = min(plan.num_tokens, self.max_tokens)
         report = StepReport()
-        slots = current_slot_mapping() if slots is None else slots
+        slots = current_slot_mapping(self.slot_layer) if slots is None else slots
         if n and slots is not None:
             picks = torch.stack([buffer[:n] for buffer in self._buffers]).to(torch.int64)
             if self._checking and bool((picks == UNWRITTEN).any()):

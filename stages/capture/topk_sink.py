@@ -35,14 +35,19 @@ def _copy_rows(buffer: torch.Tensor, topk_ids: torch.Tensor) -> None:
     buffer[:rows].copy_(topk_ids[:rows])
 
 
-@torch.library.custom_op("eldr::record_topk", mutates_args=("buffer",))
-def record_topk(buffer: torch.Tensor, topk_ids: torch.Tensor) -> None:
-    _copy_rows(buffer, topk_ids)
-
-
-@record_topk.register_fake
 def _record_topk_fake(buffer: torch.Tensor, topk_ids: torch.Tensor) -> None:
     return None
+
+
+# Registered on a raw ``Library`` as vLLM registers its own ops, not through
+# ``torch.library.custom_op``, whose Python dispatch layer costs several times the copy itself
+# on every call of the compiled graph (once per MoE layer per step). The op lives as long as
+# this handle, so it is held for the life of the process.
+_ELDR_OPS = torch.library.Library("eldr", "DEF")
+_ELDR_OPS.define("record_topk(Tensor(a!) buffer, Tensor topk_ids) -> ()")
+# One kernel for every device: the copy is plain aten work, traceable and graph-capturable.
+_ELDR_OPS.impl("record_topk", _copy_rows, "CompositeExplicitAutograd")
+torch.library.register_fake("eldr::record_topk", _record_topk_fake, lib=_ELDR_OPS)
 
 
 class TopkSink:
