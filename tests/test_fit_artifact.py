@@ -162,3 +162,15 @@ def test_save_refuses_inconsistent_parts(tmp_path: Path) -> None:
     with pytest.raises(EldrError, match="centroids have shape"):
         ArtifactStore(tmp_path).save(**parts)
     assert not any(tmp_path.iterdir())
+
+
+def test_serving_takes_any_k_of_at_least_the_decode_worker_count(tmp_path: Path) -> None:
+    from stages.fit.artifact import load_for_serving
+
+    store = ArtifactStore(tmp_path / "store")
+    store.save(**make_parts(k=3))
+    for workers in (1, 2, 3):  # K=3 spread over 1-3 workers (cluster_map)
+        assert load_for_serving(store.root, "latest", IDENTITY, workers).centroids.shape[0] == 3
+    with pytest.raises(EldrError, match="3 centroids for 4 decode workers") as refused:
+        load_for_serving(store.root, "latest", IDENTITY, 4)
+    assert "eldr fit --k 4 --balanced" in str(refused.value)

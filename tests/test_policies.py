@@ -56,8 +56,8 @@ def test_registry_errors() -> None:
         make_policy("nope", 3)
     with pytest.raises(EldrError, match="needs centroids"):
         make_policy("eldr", 4)
-    with pytest.raises(EldrError, match="K == number of decode workers"):
-        make_policy("eldr", 3, centroids=EYE4)
+    with pytest.raises(EldrError, match="4 centroids for 5 decode workers"):
+        make_policy("eldr", 5, centroids=EYE4)
     with pytest.raises(EldrError, match="tau"):
         make_policy("eldr", 4, centroids=EYE4, tau=-0.1)
     with pytest.raises(EldrError):
@@ -148,9 +148,12 @@ def test_eldr_tau1_is_join_shortest_queue() -> None:
 
 
 def test_eldr_skips_ineligible_workers() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0)
-    f = unit([0.1, 0.2, 0.9, 0.3])
+    # Cluster 2 resembles cluster 3, so while worker 2 is down worker 3 serves it.
+    near = np.stack([EYE4[0], EYE4[1], unit([0, 0, 1, 0.6]), EYE4[3]])
+    p = make_policy("eldr", 4, centroids=near, tau=0.0)
+    f = unit([0.3, 0.2, 0.9, 0.1])
     assert p.choose(req([0, 0, 0, 0], [True, True, False, True], features=f)) == 3
+    assert p.choose(req([0, 0, 0, 0], features=f)) == 2  # back up: its cluster again
     p1 = make_policy("eldr", 4, centroids=EYE4, tau=0.1)
     only = [False, False, True, False]
     assert p1.choose(req([9, 0, 9, 0], only, features=unit([1, 0, 0, 0]))) == 2
@@ -168,15 +171,16 @@ def test_eldr_worker_of_centroid_permutation() -> None:
     p = make_policy("eldr", 4, centroids=EYE4, tau=0.0, worker_of_centroid=perm)
     for k in range(4):
         assert p.choose(req([0] * 4, features=EYE4[k])) == perm[k]
-    assert list(p.cluster_of_worker()) == [1, 3, 0, 2]
     p.set_centroids(EYE4)  # back to the identity
     assert p.choose(req([0] * 4, features=EYE4[2])) == 2
 
 
 def test_eldr_rejects_bad_shapes() -> None:
     p = make_policy("eldr", 4, centroids=EYE4)
-    with pytest.raises(EldrError, match="permutation"):
+    with pytest.raises(EldrError, match="every worker at least one"):
         p.set_centroids(EYE4, np.array([0, 0, 1, 2]))
+    with pytest.raises(EldrError, match="3 centroids for 4 decode workers"):
+        p.set_centroids(EYE4[:3])
     with pytest.raises(EldrError, match="shape"):
         p.choose(req([0] * 4, features=np.ones(3, np.float32)))
 

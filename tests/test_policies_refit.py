@@ -7,8 +7,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from stages.serve.online_refit import OnlineRefitter, align_to_workers
-from stages.serve.policies import RoutingRequest, make_policy
+from stages.serve.online_refit import OnlineRefitter, align_to_current
+from stages.serve.policies import EldrPolicy, RoutingRequest, make_policy
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:
@@ -25,8 +25,8 @@ def test_align_recovers_a_shuffled_fit() -> None:
     current = unit_rows(rng.random((6, 12)))
     order = rng.permutation(6)
     drifted = unit_rows(current[order] + rng.normal(scale=0.01, size=current.shape))
-    perm = align_to_workers(drifted, current)
-    assert np.array_equal(perm, order)  # new centroid j goes to the worker it came from
+    replaces = align_to_current(drifted, current)
+    assert np.array_equal(replaces, order)  # new centroid j takes over from old order[j]
 
 
 def test_window_is_time_based() -> None:
@@ -51,7 +51,15 @@ def _fake_fit(order: np.ndarray, centers: np.ndarray):
     return fit
 
 
-def test_step_keeps_clusters_on_their_workers() -> None:
+def refit(r: OnlineRefitter, policy: EldrPolicy, now: float) -> int:
+    """One refit as the proxy's router applies it: new centroids take their match's worker."""
+    result = r.fit(r.snapshot(now), policy.centroids)
+    policy.set_centroids(result.centroids, policy.worker_of_centroid[result.replaces])
+    r.mark_done(now)
+    return result.num_samples
+
+
+def test_refit_keeps_clusters_on_their_workers() -> None:
     rng = np.random.default_rng(1)
     centers = unit_rows(rng.random((4, 8)) ** 4)
     policy = make_policy("eldr", 4, centroids=centers, tau=0.0)
@@ -59,14 +67,29 @@ def test_step_keeps_clusters_on_their_workers() -> None:
     r = OnlineRefitter(4, window_s=5.0, interval_s=1.0, fit_fn=_fake_fit(order, centers))
     for i, x in enumerate(clustered(centers, 5, rng)):
         r.observe(x, 0.01 * i)
-    result = r.step(1.0, policy)
-    assert result is not None and result.num_samples == 20
+    assert r.due(1.0) and refit(r, policy, 1.0) == 20
     # Each old cluster's points still go to the same worker despite the renumbering.
     for k in range(4):
         f = centers[k]
         assert policy.choose(RoutingRequest(np.zeros(4, np.int64), np.ones(4, bool), f)) == k
     assert np.array_equal(policy.worker_of_centroid, order)  # new j = old order[j]
-    assert r.step(1.5, policy) is None  # not due yet
+    assert not r.due(1.5)  # not due yet
+
+
+def test_refit_of_more_clusters_than_workers_keeps_each_workers_share() -> None:
+    rng = np.random.default_rng(3)
+    centers = unit_rows(rng.random((6, 8)) ** 4)
+    policy = make_policy("eldr", 2, centroids=centers, tau=0.0)
+    before = policy.worker_of_centroid.copy()
+    order = np.array([5, 2, 4, 0, 1, 3])
+    r = OnlineRefitter(6, window_s=5.0, interval_s=1.0, fit_fn=_fake_fit(order, centers))
+    for i, x in enumerate(clustered(centers, 5, rng)):
+        r.observe(x, 0.01 * i)
+    refit(r, policy, 1.0)
+    assert np.array_equal(policy.worker_of_centroid, before[order])
+    for k in range(6):
+        request = RoutingRequest(np.zeros(2, np.int64), np.ones(2, bool), centers[k])
+        assert policy.choose(request) == before[k]
 
 
 def test_clear_drops_old_feature_space() -> None:
@@ -86,7 +109,7 @@ def test_real_balanced_fit_tracks_drift() -> None:
     r = OnlineRefitter(4, window_s=5.0, interval_s=1.0, seed=0)
     for i, x in enumerate(clustered(centers, 30, rng)):
         r.observe(x, 0.001 * i)
-    assert r.step(1.0, policy) is not None
+    assert r.due(1.0) and refit(r, policy, 1.0) == 120
     loads, elig = np.zeros(4, np.int64), np.ones(4, bool)
     assert [policy.choose(RoutingRequest(loads, elig, centers[k])) for k in range(4)] == [
         0,

@@ -28,7 +28,7 @@ K = 3
 def load_fake_artifact(root: Path, version: str):
     if version == "missing":
         raise EldrError(f"no artifact {version} in {root}")
-    return domain_artifact(4 if version == "k4" else K, version=version)
+    return domain_artifact(2 if version == "k2" else K, version=version)
 
 
 @dataclass
@@ -373,12 +373,12 @@ def test_admin_switches_policy_at_run_time(env: Cluster) -> None:
 def test_admin_switches_artifact(env: Cluster) -> None:
     r = env.client.post("/admin/artifact", json={"version": "v2"})
     assert r.status_code == 200 and r.json()["artifact_version"] == "v2"
-    bad = env.client.post("/admin/artifact", json={"version": "k4"})
-    assert bad.status_code == 400 and "one per decode worker" in bad.json()["error"]["message"]
+    bad = env.client.post("/admin/artifact", json={"version": "k2"})
+    assert bad.status_code == 400 and "2 centroids for 3" in bad.json()["error"]["message"]
     assert env.client.post("/admin/artifact", json={"version": "missing"}).status_code == 400
     state = env.client.get("/admin/state").json()
     assert state["artifact_version"] == "v2"
-    assert [w["cluster"] for w in state["decode_workers"]] == [0, 1, 2]
+    assert [w["clusters"] for w in state["decode_workers"]] == [[0], [1], [2]]
 
 
 def test_models_health_metrics(env: Cluster) -> None:
@@ -453,7 +453,9 @@ def test_online_refit_keeps_clusters_on_workers() -> None:
                 )
             wait_until(lambda: client.get("/admin/state").json()["refits"] >= 1)
             state = client.get("/admin/state").json()
-            assert [w["cluster"] for w in state["decode_workers"]] == list(np.argsort(order))
+            assert [w["clusters"] for w in state["decode_workers"]] == [
+                [int(k)] for k in np.argsort(order)
+            ]
             for b in ds:
                 b.received.clear()
             for dom in range(K):

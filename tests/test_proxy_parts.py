@@ -125,8 +125,10 @@ def test_decode_router_features_and_fallback() -> None:
     with pytest.raises(EldrError):
         router.set_policy("eldr", tau=-1)
     assert router.policy_name == "rr"
-    with pytest.raises(EldrError, match="one per decode worker"):
-        router.set_artifact(domain_artifact(4))
+    with pytest.raises(EldrError, match="2 centroids for 3 decode workers"):
+        router.set_artifact(domain_artifact(2))
+    router.set_artifact(domain_artifact(4))  # more clusters than workers: spread over them
+    assert sorted(len(c) for c in router.clusters_of_worker(np.ones(3, bool))) == [1, 1, 2]
 
 
 def test_config_validation() -> None:
@@ -145,15 +147,15 @@ def test_build_state_artifact_rules() -> None:
 
     urls = dict(prefill_urls=("http://p",), decode_urls=("http://d0", "http://d1", "http://d2"))
 
-    def k4(root, version):
-        return domain_artifact(4)
+    def k2(root, version):
+        return domain_artifact(2)
 
     with pytest.raises(EldrError, match="needs an artifact"):
         build_state(ProxyConfig(**urls, policy="eldr"))
-    with pytest.raises(EldrError, match="one per decode worker"):
-        build_state(ProxyConfig(**urls, policy="eldr", artifact_store="/a"), artifact_loader=k4)
-    # A load-only policy serves even if the store holds a fit for another worker count.
-    state = build_state(ProxyConfig(**urls, policy="jsq", artifact_store="/a"), artifact_loader=k4)
+    with pytest.raises(EldrError, match="2 centroids for 3 decode workers"):
+        build_state(ProxyConfig(**urls, policy="eldr", artifact_store="/a"), artifact_loader=k2)
+    # A load-only policy serves even if the store holds a fit for fewer workers.
+    state = build_state(ProxyConfig(**urls, policy="jsq", artifact_store="/a"), artifact_loader=k2)
     assert state.router.artifact is None
     with pytest.raises(EldrError, match="needs centroids"):
         state.router.set_policy("eldr")

@@ -102,7 +102,8 @@ def load_for_serving(
     """The artifact ELDR routes ``num_decode`` workers of the model ``identity`` with.
 
     One place for the checks ``eldr serve`` and ``eldr bench --simulate`` both need: a fit
-    exists, it is for this model, and it has one centroid per decode worker.
+    exists, it is for this model, and it has at least one centroid per decode worker (more are
+    spread over the workers: ``stages.serve.policies.cluster_map``).
     """
     if not store.exists() or not any(store.iterdir()):
         raise EldrError(
@@ -112,13 +113,19 @@ def load_for_serving(
         )
     artifact = ArtifactStore(store).load(version)
     check_identity(artifact, identity)
-    k = artifact.centroids.shape[0]
-    if k != num_decode:
-        raise EldrError(
-            f"artifact {artifact.version} has {k} centroids but there are {num_decode} decode"
-            f" workers; fit one with `eldr fit --k {num_decode} --balanced`"
-        )
+    check_cluster_count(artifact.centroids.shape[0], num_decode, artifact.version)
     return artifact
+
+
+def check_cluster_count(num_clusters: int, num_workers: int, version: str = "") -> None:
+    """Every decode worker needs at least one cluster to serve."""
+    if num_clusters < num_workers:
+        raise EldrError(
+            f"artifact {version + ' ' if version else ''}has {num_clusters} centroids for"
+            f" {num_workers} decode workers: every worker needs at least one cluster; fit with"
+            f" `eldr fit --k {num_workers} --balanced` (or more clusters), or start fewer"
+            " decode workers"
+        )
 
 
 class ArtifactStore:

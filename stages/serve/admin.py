@@ -25,7 +25,7 @@ _ARTIFACT_KEYS = frozenset(("version",))
 
 def snapshot(state: ProxyState) -> dict[str, Any]:
     router = state.router
-    clusters = router.cluster_of_worker()
+    clusters = router.clusters_of_worker(state.decode.eligible())
     refitter = router.refitter
     return {
         "policy": router.policy_name,
@@ -40,7 +40,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "url": w.url,
                 "in_flight": w.in_flight,
                 "healthy": w.healthy,
-                "cluster": clusters[w.index],
+                "clusters": clusters[w.index],
                 "last_error": w.last_error,
                 "restarts": state.restarts(w.url),
             }

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 
 from stages.errors import EldrError
+from stages.fit.artifact import check_cluster_count
 from stages.serve.artifact_source import ArtifactLike
 from stages.serve.online_refit import OnlineRefitter, RefitResult
 from stages.serve.policies import DecodePolicy, EldrPolicy, RoutingRequest, make_policy
+from stages.serve.policies.cluster_map import remap_for_healthy, spread_clusters
 from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
 from stages.signature import wire
 
@@ -29,7 +31,7 @@ class Features:
 @dataclass(frozen=True)
 class RefitJob:
     samples: np.ndarray
-    current_by_worker: np.ndarray
+    current: np.ndarray  # the centroids in place when the job was made
     generation: int
 
 
@@ -87,19 +89,20 @@ class DecodeRouter:
     def set_artifact(self, artifact: ArtifactLike) -> None:
         self._install(artifact)
         if isinstance(self.policy, EldrPolicy):
-            self.policy.set_centroids(self._centroids)
+            self.policy.set_centroids(self._centroids, self._worker_of_centroid)
 
     def _install(self, artifact: ArtifactLike) -> None:
         centroids = np.asarray(artifact.centroids, dtype=np.float32)
-        if centroids.ndim != 2 or centroids.shape[0] != self.num_workers:
+        if centroids.ndim != 2:
             raise EldrError(
-                f"artifact {artifact.version} has centroids of shape {centroids.shape}; ELDR"
-                f" needs one per decode worker ({self.num_workers})"
+                f"artifact {artifact.version} has centroids of shape {centroids.shape}"
             )
+        check_cluster_count(centroids.shape[0], self.num_workers)
         ident = artifact.identity
+        mapping = spread_clusters(centroids, self.num_workers, self.seed)
         self.artifact = artifact
         self._centroids = centroids
-        self._worker_of_centroid = np.arange(self.num_workers)
+        self._worker_of_centroid = mapping
         self._expected_shape = (int(ident.num_layers), int(ident.num_experts))
         self.generation += 1
         if self.refitter is not None:
@@ -109,12 +112,12 @@ class DecodeRouter:
     def policy_name(self) -> str:
         return self.policy.name
 
-    def cluster_of_worker(self) -> list[int | None]:
-        if self._worker_of_centroid is None:
-            return [None] * self.num_workers
-        inv = np.empty(self.num_workers, dtype=np.int64)
-        inv[self._worker_of_centroid] = np.arange(self.num_workers)
-        return [int(k) for k in inv]
+    def clusters_of_worker(self, healthy: np.ndarray) -> list[list[int]]:
+        """The centroids each worker serves while ``healthy`` workers are up."""
+        if self._worker_of_centroid is None or self._centroids is None:
+            return [[] for _ in range(self.num_workers)]
+        mapping = remap_for_healthy(self._centroids, self._worker_of_centroid, healthy)
+        return [np.flatnonzero(mapping == w).tolist() for w in range(self.num_workers)]
 
     # --- per request ---
 
@@ -150,14 +153,12 @@ class DecodeRouter:
     def refit_job(self, now: float) -> RefitJob | None:
         if self.refitter is None or self._centroids is None or not self.refitter.due(now):
             return None
-        by_worker = np.empty_like(self._centroids)
-        by_worker[self._worker_of_centroid] = self._centroids
-        return RefitJob(self.refitter.snapshot(now), by_worker, self.generation)
+        return RefitJob(self.refitter.snapshot(now), self._centroids, self.generation)
 
     def run_refit(self, job: RefitJob) -> RefitResult:
         if self.refitter is None:
             raise EldrError("online refit is not enabled")
-        return self.refitter.fit(job.samples, job.current_by_worker)
+        return self.refitter.fit(job.samples, job.current)
 
     def defer_refit(self, now: float) -> None:
         """After a failed fit: wait a full interval before the next attempt."""
@@ -167,9 +168,10 @@ class DecodeRouter:
     def apply_refit(self, job: RefitJob, result: RefitResult, now: float) -> bool:
         if self.refitter is None or job.generation != self.generation:
             return False
+        assert self._worker_of_centroid is not None  # a job exists only with centroids
         self._centroids = result.centroids
-        self._worker_of_centroid = result.worker_of_centroid
+        self._worker_of_centroid = self._worker_of_centroid[result.replaces]
         if isinstance(self.policy, EldrPolicy):
-            self.policy.set_centroids(result.centroids, result.worker_of_centroid)
+            self.policy.set_centroids(self._centroids, self._worker_of_centroid)
         self.refitter.mark_done(now)
         return True

@@ -1,10 +1,10 @@
 """Online refit: re-cluster recent signatures and keep each cluster on the worker it had.
 
 Traffic drifts away from the calibration set; the artifact's option refits balanced centroids
-every 1-2.5 s on the last ~5 s of signatures. A fresh k-means numbers its clusters arbitrarily,
-so new centroids are matched to the workers' current centroids (Hungarian, max total cosine)
-before they replace them: a cluster that barely moved keeps its worker and that worker's warm
-experts.
+every 1-2.5 s on the last ~5 s of signatures, as many as the artifact has. A fresh k-means
+numbers its clusters arbitrarily, so new centroids are matched to the current ones (Hungarian,
+max total cosine) and each takes over the worker of the one it matched: a cluster that barely
+moved keeps its worker and that worker's warm experts.
 
 Clock-agnostic (callers pass ``now``) and free of asyncio, so the simulator drives it with
 virtual time and the proxy runs ``fit`` in a thread.
@@ -20,7 +20,6 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from stages.errors import EldrError
-from stages.serve.policies.eldr import EldrPolicy
 
 FitFn = Callable[[np.ndarray, int, int], np.ndarray]
 """(samples [N, D], k, seed) -> centroids [k, D] unit rows."""
@@ -33,13 +32,13 @@ def balanced_fit(samples: np.ndarray, k: int, seed: int) -> np.ndarray:
     return np.asarray(balanced_spherical_kmeans(samples, k, seed=seed, balanced=True).centroids)
 
 
-def align_to_workers(new_centroids: np.ndarray, current_by_worker: np.ndarray) -> np.ndarray:
-    """``worker_of_centroid`` for ``new_centroids`` maximising total cosine to current ones."""
-    if new_centroids.shape != current_by_worker.shape:
+def align_to_current(new_centroids: np.ndarray, current: np.ndarray) -> np.ndarray:
+    """For each new centroid, the index of the current one it replaces (max total cosine)."""
+    if new_centroids.shape != current.shape:
         raise EldrError(
-            f"refit centroids {new_centroids.shape} do not match current {current_by_worker.shape}"
+            f"refit centroids {new_centroids.shape} do not match current {current.shape}"
         )
-    sim = new_centroids @ current_by_worker.T
+    sim = new_centroids @ current.T
     rows, cols = linear_sum_assignment(sim, maximize=True)
     perm = np.empty(new_centroids.shape[0], dtype=np.int64)
     perm[rows] = cols
@@ -49,7 +48,7 @@ def align_to_workers(new_centroids: np.ndarray, current_by_worker: np.ndarray) -
 @dataclass(frozen=True)
 class RefitResult:
     centroids: np.ndarray  # float32 [K, D], unit rows, in fit order
-    worker_of_centroid: np.ndarray  # int64 [K]
+    replaces: np.ndarray  # int64 [K]: the current centroid each new one takes over from
     num_samples: int
 
 
@@ -58,7 +57,7 @@ class OnlineRefitter:
 
     def __init__(
         self,
-        num_workers: int,
+        num_clusters: int,
         *,
         window_s: float = 5.0,
         interval_s: float = 2.0,
@@ -69,11 +68,11 @@ class OnlineRefitter:
     ) -> None:
         if window_s <= 0 or interval_s <= 0:
             raise EldrError("refit window and interval must be > 0 seconds")
-        self.num_workers = num_workers
+        self.num_clusters = num_clusters
         self.window_s = window_s
         self.interval_s = interval_s
         # Far fewer samples than clusters makes centroids noise, so wait for a few per cluster.
-        self.min_samples = max(min_samples if min_samples is not None else 4 * num_workers, 1)
+        self.min_samples = max(min_samples if min_samples is not None else 4 * num_clusters, 1)
         self.seed = seed
         self.fit_fn = fit_fn
         # maxlen bounds memory and fit time when traffic outpaces the window.
@@ -107,13 +106,12 @@ class OnlineRefitter:
         self._prune(now)
         return np.stack([f for _, f in self._window]).astype(np.float32, copy=False)
 
-    def fit(self, samples: np.ndarray, current_by_worker: np.ndarray) -> RefitResult:
+    def fit(self, samples: np.ndarray, current: np.ndarray) -> RefitResult:
         """Balanced fit plus alignment. Touches no state, so it may run off the event loop."""
         centroids = np.asarray(
-            self.fit_fn(samples, self.num_workers, self.seed + self.refits), dtype=np.float32
+            self.fit_fn(samples, self.num_clusters, self.seed + self.refits), dtype=np.float32
         )
-        perm = align_to_workers(centroids, current_by_worker)
-        return RefitResult(centroids, perm, int(samples.shape[0]))
+        return RefitResult(centroids, align_to_current(centroids, current), int(samples.shape[0]))
 
     def defer(self, now: float) -> None:
         self._last_refit = now
@@ -121,12 +119,3 @@ class OnlineRefitter:
     def mark_done(self, now: float) -> None:
         self._last_refit = now
         self.refits += 1
-
-    def step(self, now: float, policy: EldrPolicy) -> RefitResult | None:
-        """Synchronous refit-if-due (the simulator's entry point)."""
-        if not self.due(now):
-            return None
-        result = self.fit(self.snapshot(now), policy.centroids_by_worker)
-        policy.set_centroids(result.centroids, result.worker_of_centroid)
-        self.mark_done(now)
-        return result

@@ -65,7 +65,8 @@ def build_state(
             f"policy {config.policy!r} needs an artifact: set artifact_store (eldr fit writes one)"
         )
     num_decode = len(config.decode_urls)
-    mismatched = artifact is not None and len(artifact.centroids) != num_decode
+    # More clusters than workers is fine (cluster_map spreads them); fewer leaves a worker idle.
+    mismatched = artifact is not None and len(artifact.centroids) < num_decode
     if mismatched and not needs_centroids(config.policy):
         # A load-only policy does not need the artifact; an unrelated fit lying in the store
         # must not stop the proxy. Switching to eldr later says why it cannot.
@@ -81,7 +82,7 @@ def build_state(
         if artifact is None:
             raise EldrError("online refit needs an artifact to start from")
         refitter = OnlineRefitter(
-            num_decode,
+            len(artifact.centroids),
             window_s=config.refit_window_s,
             interval_s=config.refit_interval_s,
             seed=config.seed,

@@ -37,9 +37,10 @@ def make_policy(
 ) -> DecodePolicy:
     """Build policy ``name`` for ``num_workers`` decode workers.
 
-    ``centroids`` (``[K, D]``, K == num_workers) and ``tau`` only matter to signature-aware
-    policies, ``worker_slots`` (each worker's batch size) and ``epsilon`` (load slack) to
-    load-capped ones; an unknown name or ELDR without matching centroids is a user error.
+    ``centroids`` (``[K, D]``, K >= num_workers: see ``cluster_map``) and ``tau`` only matter
+    to signature-aware policies, ``worker_slots`` (each worker's batch size) and ``epsilon``
+    (load slack) to load-capped ones; an unknown name or ELDR without enough centroids is a
+    user error.
     """
     cls = POLICIES.get(name)
     if cls is None:
@@ -49,12 +50,6 @@ def make_policy(
     if issubclass(cls, EldrPolicy):
         if centroids is None:
             raise EldrError(f"policy {name!r} needs centroids: load an artifact (eldr fit) first")
-        if centroids.ndim != 2 or centroids.shape[0] != num_workers:
-            raise EldrError(
-                f"policy {name!r} needs K == number of decode workers: the artifact has"
-                f" {centroids.shape[0] if centroids.ndim else 0} centroids for {num_workers}"
-                " decode workers (refit with --k equal to the decode worker count)"
-            )
         kwargs: dict[str, object] = {}
         if issubclass(cls, EldrBoundedPolicy):
             kwargs |= {"worker_slots": worker_slots, "epsilon": epsilon}

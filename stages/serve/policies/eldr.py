@@ -5,9 +5,10 @@ Rule (paper / artifact): ``s = centroids @ features``; candidates are the eligib
 a hot cluster can spill over; the candidate with the fewest in-flight requests wins, ties to
 the lowest index. Without features (prefill sent no signature) it degrades to JSQ.
 
-Centroid ``k`` serves worker ``worker_of_centroid[k]``. Online refit replaces centroids and
-that permutation together (``set_centroids``) so clusters stay on the workers already warm
-with their experts.
+Centroid ``k`` is served by worker ``worker_of_centroid[k]``; with more centroids than workers a
+worker's similarity is its best centroid's (``cluster_map``: K clusters on D <= K workers, moved
+off unhealthy workers without a refit). Online refit replaces centroids and that map together
+(``set_centroids``) so clusters stay on the workers already warm with their experts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import ClassVar
 import numpy as np
 
 from stages.errors import EldrError
+from stages.fit.artifact import check_cluster_count
 from stages.serve.policies.base import DecodePolicy, RoutingRequest
+from stages.serve.policies.cluster_map import remap_for_healthy, spread_clusters
 from stages.serve.policies.select import least_loaded_random
 
 DEFAULT_TAU = 0.1
@@ -46,29 +49,30 @@ class EldrPolicy(DecodePolicy):
     def set_centroids(
         self, centroids: np.ndarray, worker_of_centroid: np.ndarray | None = None
     ) -> None:
-        """Install centroids ``[K, D]`` and their worker permutation (identity by default)."""
+        """Install centroids ``[K, D]`` (K >= workers) and the worker each one is served by
+        (default: :func:`spread_clusters`; identity when K equals the worker count)."""
         c = np.ascontiguousarray(centroids, dtype=np.float32)
-        if c.ndim != 2 or c.shape[0] != self.num_workers:
-            raise EldrError(
-                f"ELDR needs one centroid per decode worker: got centroids of shape {c.shape}"
-                f" for {self.num_workers} workers"
-            )
-        perm = (
-            np.arange(self.num_workers)
+        if c.ndim != 2:
+            raise EldrError(f"centroids must be a [K, D] matrix, got shape {c.shape}")
+        check_cluster_count(c.shape[0], self.num_workers)
+        mapping = (
+            spread_clusters(c, self.num_workers)
             if worker_of_centroid is None
             else np.asarray(worker_of_centroid, dtype=np.int64)
         )
-        if perm.shape != (self.num_workers,) or not np.array_equal(
-            np.sort(perm), np.arange(self.num_workers)
+        if (
+            mapping.shape != (c.shape[0],)
+            or mapping.min() < 0
+            or mapping.max() >= self.num_workers
+            or np.unique(mapping).size != self.num_workers
         ):
             raise EldrError(
-                f"worker_of_centroid must be a permutation of 0..{self.num_workers - 1}"
+                f"worker_of_centroid must give each of the {c.shape[0]} centroids one of the"
+                f" {self.num_workers} workers, every worker at least one"
             )
-        by_worker = np.empty_like(c)
-        by_worker[perm] = c
-        # One tuple assignment: a reader never sees centroids from one fit and a permutation
-        # from another.
-        self._state = (c, perm, by_worker)
+        # One assignment: a reader never sees centroids from one fit and a map from another.
+        # Maps for other healthy sets are derived on demand and cached per set.
+        self._state = (c, mapping, {})
 
     @property
     def centroids(self) -> np.ndarray:
@@ -78,33 +82,40 @@ class EldrPolicy(DecodePolicy):
     def worker_of_centroid(self) -> np.ndarray:
         return self._state[1]
 
-    @property
-    def centroids_by_worker(self) -> np.ndarray:
-        """Row ``w`` is the centroid worker ``w`` serves."""
-        return self._state[2]
+    def _map_for(self, eligible: np.ndarray) -> np.ndarray:
+        centroids, mapping, cache = self._state
+        key = eligible.tobytes()
+        found = cache.get(key)
+        if found is None:
+            # At most one entry per distinct healthy set seen: bounded by how often workers
+            # fail, and dropped with the centroids.
+            found = cache[key] = remap_for_healthy(centroids, mapping, eligible)
+        return found
 
-    def cluster_of_worker(self) -> np.ndarray:
-        """Inverse permutation: which centroid each worker serves."""
-        perm = self._state[1]
-        inv = np.empty_like(perm)
-        inv[perm] = np.arange(perm.size)
-        return inv
-
-    def similarities(self, features: np.ndarray) -> np.ndarray:
-        """Cosine similarity of ``features`` to each worker's centroid, indexed by worker."""
-        by_worker = self._state[2]
-        if features.shape != (by_worker.shape[1],):
+    def similarities(self, features: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+        """Per worker, the best cosine of ``features`` to a centroid it serves while
+        ``eligible`` workers are the healthy ones (-inf for a worker serving none)."""
+        centroids = self._state[0]
+        if features.shape != (centroids.shape[1],):
             raise EldrError(
                 f"feature vector has shape {features.shape}, centroids expect"
-                f" ({by_worker.shape[1]},)"
+                f" ({centroids.shape[1]},)"
             )
-        return by_worker @ features
+        by_centroid = centroids @ features
+        mapping = self._map_for(eligible)
+        if by_centroid.size == self.num_workers and mapping is self._state[1]:
+            by_worker = np.empty_like(by_centroid)
+            by_worker[mapping] = by_centroid  # one-to-one: a permutation
+            return by_worker
+        by_worker = np.full(self.num_workers, -np.inf, dtype=by_centroid.dtype)
+        np.maximum.at(by_worker, mapping, by_centroid)
+        return by_worker
 
     def choose(self, request: RoutingRequest) -> int:
         if request.features is None:
             return least_loaded_random(request.loads, request.eligible, self.rng)
         eligible = request.eligible
-        s = self.similarities(request.features)
+        s = self.similarities(request.features, eligible)
         if not eligible.all():
             s = np.where(eligible, s, -np.inf)  # an ineligible worker can never enter the band
         best = float(s.max())
