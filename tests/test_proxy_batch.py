@@ -46,6 +46,7 @@ class Cluster:
             e.headers.clear()
             e.reject = e.cut = None
             e.delay_s = e.decode_delay_s = 0.0
+            e.decode_status = None
 
     def decodes(self) -> list[dict[str, Any]]:
         return [b for d in self.decode for b in d.received]
@@ -199,6 +200,22 @@ def test_fan_out_limit_and_n_checks(env: Cluster) -> None:
     assert not env.prefill.received  # refused before any prefill
     chat = {"messages": [{"role": "user", "content": "x"}], "n": None}
     assert env.client.post(CHAT, json=chat).status_code == 200  # chat's n may be null
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_sub_request_whose_worker_fails_is_retried_alone(env: Cluster, stream: bool) -> None:
+    env.decode[0].decode_status = 500
+    prompts = ["domain=0 a", "domain=1 b", "domain=2 c"]
+    r = env.client.post(CMPL, json={"prompt": prompts, "stream": stream})
+    assert r.status_code == 200, r.text
+    texts = (texts_by_index(events_of(r)) if stream
+             else {c["index"]: c["text"] for c in r.json()["choices"]})
+    assert [texts[i].split("|")[0] for i in range(3)] == prompts
+    # The failed one went elsewhere with a fresh hand-off (a prefill of its own again).
+    assert texts[0].split("|")[3] != "d0"
+    assert len(env.prefill.received) == 4
+    for i in range(K):  # the health loop would re-admit d0 only after its next probe
+        env.state.decode.mark_healthy(i)
 
 
 def test_a_split_may_not_multiply_a_body_into_megabytes(env: Cluster) -> None:

@@ -38,6 +38,7 @@ class Echo:
     cut: str | None = None  # streams for prompts containing this break after one event
     delay_s: float = 0.0  # before answering a prefill
     decode_delay_s: float = 0.0  # before answering a decode
+    decode_status: int | None = None  # answer decodes with this status (a failing worker)
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route(CMPL, self.serve, methods=["POST"]),
@@ -63,6 +64,9 @@ class Echo:
                                           "kv_transfer_params": params}),
                             media_type="application/json")
         await asyncio.sleep(self.decode_delay_s)
+        if self.decode_status is not None:
+            return Response(b'{"error": {"message": "down"}}', self.decode_status,
+                            media_type="application/json")
         text = f"{prompt}|seed={body.get('seed')}|blocks={kv.get('remote_block_ids')}|{self.name}"
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 2,
                  "total_tokens": len(prompt) + 2}
