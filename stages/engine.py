@@ -102,14 +102,16 @@ def kv_transfer_config(
 
 # eldr's workers run on one host and talk only to each other and to the proxy, on loopback:
 # NIXL's handshake listener (VLLM_NIXL_SIDE_CHANNEL_HOST), vLLM's own sockets that use
-# get_ip()/get_loopback_ip() (message queues, distributed init) and UCX's transports, whose
-# listeners bind every network device unless told otherwise. Shared memory and CUDA IPC are not
-# network devices and stay available.
+# get_ip()/get_loopback_ip() (message queues, distributed init), UCX's transports, and the
+# collective libraries' bootstrap sockets (gloo, NCCL), which otherwise bind the interface the
+# host name resolves to. Shared memory and CUDA IPC are not network devices and stay available.
 LOOPBACK_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_LOOPBACK_IP": "127.0.0.1",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
     "UCX_NET_DEVICES": "lo",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
 }
 
 

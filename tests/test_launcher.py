@@ -97,11 +97,26 @@ def test_gpu_worker_command_names_its_device(monkeypatch) -> None:  # type: igno
     assert "--enforce-eager" not in argv  # vLLM's default compiled mode
 
 
-def test_cluster_knows_its_urls_and_free_side_channel_ports_before_starting() -> None:
-    from stages.serve.launcher import Cluster, ClusterSpec
+def free_range(count: int) -> int:
+    """A first port with ``count`` free ports from it (ports near an ephemeral one may not be)."""
+    from stages.errors import EldrError
+    from stages.serve.ports import check_free
     from tests.conftest import free_port
 
-    base = free_port()
+    for _ in range(100):
+        base = free_port()
+        try:
+            check_free("test", range(base, base + count))
+        except EldrError:
+            continue
+        return base
+    raise AssertionError(f"no {count} free ports in a row")
+
+
+def test_cluster_knows_its_urls_and_free_side_channel_ports_before_starting() -> None:
+    from stages.serve.launcher import Cluster, ClusterSpec
+
+    base = free_range(3)
     cluster = Cluster(ClusterSpec(model="/m", served_name="m", base_port=base))
     assert cluster.prefill_urls == [f"http://127.0.0.1:{base}"]
     assert cluster.decode_urls == [f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"]
@@ -121,18 +136,17 @@ def test_ports_in_use_or_overlapping_are_refused_before_anything_starts() -> Non
 
     from stages.errors import EldrError
     from stages.serve.launcher import Cluster, ClusterSpec
-    from tests.conftest import free_port
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         taken = busy.getsockname()[1]
         with pytest.raises(EldrError, match=f"--worker-port: port {taken} on 127.0.0.1 is not"):
-            Cluster(ClusterSpec(model="/m", served_name="m", base_port=taken - 1))
+            Cluster(ClusterSpec(model="/m", served_name="m", base_port=taken))
         with pytest.raises(EldrError, match=f"--nixl-port: port {taken} on 127.0.0.1 is not"):
-            Cluster(ClusterSpec(model="/m", served_name="m", base_port=free_port(),
-                                nixl_base_port=taken - 2))
-    base = free_port()
+            Cluster(ClusterSpec(model="/m", served_name="m", base_port=free_range(3),
+                                nixl_base_port=taken))
+    base = free_range(13)
     with pytest.raises(EldrError, match="also worker HTTP ports"):
         Cluster(ClusterSpec(model="/m", served_name="m", base_port=base, nixl_base_port=base + 2))
     cluster = Cluster(ClusterSpec(model="/m", served_name="m", base_port=base,
@@ -149,3 +163,42 @@ def test_started_workers_keep_nixl_and_vllm_sockets_on_loopback() -> None:
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     assert env["VLLM_HOST_IP"] == env["VLLM_LOOPBACK_IP"] == "127.0.0.1"
     assert env["UCX_NET_DEVICES"] == "lo"
+
+
+def test_a_restarted_worker_keeps_its_spec_and_its_log(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import sys
+    import time
+    from pathlib import Path
+
+    import stages.engine as engine
+    from stages.serve.launcher import Cluster, ClusterSpec
+    from tests.proc_probe import alive, tree
+
+    def command(spec: engine.ServerSpec) -> tuple[list[str], dict[str, str]]:
+        # A stand-in server: says which port it has, then waits to be killed.
+        code = f"print('up on {spec.port}', flush=True); import time; time.sleep(60)"
+        return [sys.executable, "-c", code], {}
+
+    monkeypatch.setattr(engine, "server_command", command)
+    cluster = Cluster(ClusterSpec(model="/m", served_name="m", prefill=1, decode=1,
+                                  base_port=free_range(2), log_dir=tmp_path))
+    for spec in cluster.specs:
+        cluster.servers.append(engine.VllmServer(spec, tmp_path))
+    def wait_for_lines(path: Path, count: int) -> None:
+        deadline = time.monotonic() + 20
+        while path.read_text().count("up on") < count:
+            assert time.monotonic() < deadline, path.read_text()
+            time.sleep(0.05)
+
+    try:
+        old = cluster.servers[1]
+        wait_for_lines(old.log_path, 1)
+        first = tree(old.proc.pid)
+        assert old.exit_code() is None and not old.engine_dead()
+        new = cluster.restart(1)
+        assert new is cluster.servers[1] and new.spec == old.spec
+        assert old.exit_code() is not None and not any(alive(p) for p in first)
+        assert new.log_path == old.log_path
+        wait_for_lines(new.log_path, 2)  # the restart appended to the crashed run's log
+    finally:
+        cluster.stop()

@@ -57,15 +57,25 @@ def spawn(
     )
 
 
-def _watch_parent(parent: int) -> Callable[[], None]:
-    def arm() -> None:
-        # Runs in the forked child before exec: if the keeper is killed on its own, the API
-        # server goes too (its engine core is then eldr's killpg's to end).
+# Signals eldr sends the whole group; the keeper outlives them to reap the tree.
+_GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _child_setup(parent: int) -> Callable[[], None]:
+    def setup() -> None:
+        # Runs in the forked child before exec. The keeper blocked the group signals around the
+        # fork: one that came meanwhile is pending here, and with the default action restored
+        # first it ends the child now instead of reaching the keeper's no-op handler copy.
+        for sig in _GROUP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)
+        # If the keeper is killed on its own, the API server goes too (its engine core is then
+        # eldr's killpg's to end).
         linux.die_with_parent(signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(1)
 
-    return arm
+    return setup
 
 
 def _end_descendants() -> None:
@@ -112,10 +122,12 @@ def main(args: list[str]) -> int:
     if os.getppid() != owner:
         return 1  # eldr died before we watched it: start nothing
     # Handlers, not SIG_IGN: the command must keep its default SIGTERM/SIGINT (exec resets
-    # handlers, but inherits SIG_IGN). The keeper outlives a group SIGTERM to reap the tree.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    # handlers, but inherits SIG_IGN).
+    for sig in _GROUP_SIGNALS:
         signal.signal(sig, lambda signum, frame: None)
-    child = subprocess.Popen(command, preexec_fn=_watch_parent(os.getpid()))
+    signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
+    child = subprocess.Popen(command, preexec_fn=_child_setup(os.getpid()))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)
     child_fd = os.pidfd_open(child.pid)
     while True:
         ready, _, _ = select.select([owner_fd, child_fd], [], [])

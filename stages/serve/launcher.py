@@ -203,7 +203,9 @@ class Cluster:
         same spec; its log continues the old one's. Returns at once: the proxy's health probes
         see when it is ready."""
         old = self.servers[index]
-        old.stop(grace_s=0.0)
+        # An exited worker's keeper has already ended its tree; one whose engine died gets a
+        # moment to shut its API server down before the group is killed.
+        old.stop(grace_s=5.0)
         self.servers[index] = VllmServer(old.spec, self.spec.log_dir, append=True)
         return self.servers[index]
 

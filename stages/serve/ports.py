@@ -42,8 +42,8 @@ def check_free(what: str, ports: Iterable[int], host: str = "127.0.0.1") -> None
             ) from None
 
 
-def free_ports(count: int, avoid: Iterable[int] = (), host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports the system reports free now, none of them in ``avoid``."""
+def free_ports(count: int, avoid: Iterable[int] = ()) -> list[int]:
+    """``count`` distinct loopback ports the system reports free now, none in ``avoid``."""
     avoid = set(avoid)
     held: list[socket.socket] = []
     ports: list[int] = []
@@ -51,7 +51,7 @@ def free_ports(count: int, avoid: Iterable[int] = (), host: str = "127.0.0.1") -
         # Holding every socket until all are chosen keeps the system from handing out one
         # port twice.
         while len(ports) < count:
-            sock = _bind(host, 0)
+            sock = _bind("127.0.0.1", 0)
             held.append(sock)
             port = int(sock.getsockname()[1])
             if port not in avoid:

@@ -140,7 +140,12 @@ class Supervisor:
 
     def _run(self) -> None:
         while not self._stopping.wait(self._poll_s):
-            self.check()
+            try:
+                self.check()
+            except Exception:
+                # A supervisor thread that died would end self-healing without a word while
+                # serving went on: say what failed, and keep watching.
+                log.exception("supervising the workers failed; next try in %.0f s", self._poll_s)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="eldr-supervisor", daemon=True)
