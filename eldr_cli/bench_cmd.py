@@ -53,7 +53,7 @@ def bench(
         help="--simulate: signature dataset. Default: $ELDR_HOME/signatures.zarr.",
         show_default=False)] = None,
     store: Annotated[Path | None, typer.Option(
-        help="--simulate: artifact store (its 'latest' must have --decode centroids).",
+        help="--simulate: artifact store (its 'latest' needs at least --decode centroids).",
         show_default=False)] = None,
     prefill: Annotated[int, typer.Option(help="--simulate: prefill workers.", min=1)] = 8,
     decode: Annotated[int, typer.Option(help="--simulate: decode workers.", min=1)] = 16,

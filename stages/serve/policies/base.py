@@ -1,15 +1,17 @@
 """The one interface every decode-routing policy implements (proxy and simulator alike).
 
 A policy sees the in-flight decode requests per worker, which workers are eligible (healthy),
-and the request's transformed signature (a unit vector, or ``None`` when the prefill did not
-deliver one). It returns a worker index. Hooks default to no-ops so simple policies stay small.
+the request's transformed signature (a unit vector, or ``None`` when the prefill did not
+deliver one) and its raw prefill counts. It returns a worker index. Hooks default to no-ops so
+simple policies stay small; they carry a key naming the request, unique among those in flight,
+so a policy that keeps per-request state can drop exactly that request's part when it ends.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -22,12 +24,14 @@ class RoutingRequest:
     loads: np.ndarray  # int64 [W]: in-flight decode requests per decode worker
     eligible: np.ndarray  # bool [W]: healthy workers; at least one is True
     features: np.ndarray | None = None  # float32 [D] unit vector, or None if unknown
-    extra: dict[str, object] = field(default_factory=dict)
+    # int [L, E] prefill signature as sent (see ``signature_counts``), or None if unknown
+    counts: np.ndarray | None = None
 
 
 class DecodePolicy(ABC):
     name: ClassVar[str] = "base"
-    uses_signature: ClassVar[bool] = False
+    uses_signature: ClassVar[bool] = False  # reads ``features`` (needs an artifact)
+    uses_counts: ClassVar[bool] = False  # reads ``counts`` (no artifact needed)
 
     def __init__(self, num_workers: int, seed: int = 0) -> None:
         self.num_workers = num_workers
@@ -37,11 +41,21 @@ class DecodePolicy(ABC):
     def choose(self, request: RoutingRequest) -> int:
         """Index of the decode worker for this request (must be eligible)."""
 
-    def on_dispatch(self, worker: int, request: RoutingRequest) -> None:  # noqa: B027
-        """Called once the request was sent to ``worker``."""
+    def on_dispatch(  # noqa: B027
+        self, worker: int, request: RoutingRequest, key: Hashable
+    ) -> None:
+        """Called once the request was sent to ``worker``; ``key`` names it until it ends."""
 
-    def on_complete(self, worker: int) -> None:  # noqa: B027
-        """Called when a request on ``worker`` finished (success or failure)."""
+    def on_complete(self, worker: int, key: Hashable) -> None:  # noqa: B027
+        """Called when request ``key`` on ``worker`` finished (success or failure). A key this
+        policy never saw (dispatched before a policy switch) must be ignored."""
 
 
-PolicyFactory = Callable[..., DecodePolicy]
+def signature_counts(counts: np.ndarray | None) -> np.ndarray | None:
+    """The counts a policy may route on, or ``None``: an all-zero table is a recording
+    failure (every prompt token picks k experts per layer), not a request with no
+    preference, so it counts as missing. The proxy and the simulator both apply this."""
+    if counts is None or not counts.any():
+        return None
+    return counts
+
