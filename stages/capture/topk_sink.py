@@ -66,8 +66,8 @@ class TopkSink:
             # Traced: the registered op, which the compiler keeps with its mutation declared.
             torch.ops.eldr.record_topk(buffer, topk_ids)
         else:
-            # Eager, or CUDA-graph capture of eager code: the copy itself, without the ~20 us
-            # of a Python custom op's dispatch per layer.
+            # Eager, or CUDA-graph capture of eager code: the copy itself, without the op's
+            # dispatch (a few us per layer on CPU, more than the copy).
             _copy_rows(buffer, topk_ids)
 
 
