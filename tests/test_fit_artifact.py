@@ -111,6 +111,9 @@ def test_damaged_artifacts_are_refused(tmp_path: Path) -> None:
     np.savez(directory / "arrays.npz", **arrays)
     with pytest.raises(EldrError, match=r"damaged.*version hash"):
         store.load(version)
+    # `eldr artifacts list` flags what `show` and `serve` would refuse.
+    [summary] = store.list()
+    assert "DAMAGED" in summary.describe() and "version hash" in summary.describe()
 
     # Wrong shapes.
     arrays["centroids"] = arrays["centroids"][:, :5]

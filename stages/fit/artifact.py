@@ -73,7 +73,7 @@ class ArtifactSummary:
     dim: int
     dataset_hash: str
     latest: bool
-    problem: str | None = None  # set when the manifest cannot be read; load() will refuse it
+    problem: str | None = None  # why load() refuses it (damaged manifest, arrays or hash)
 
     def describe(self) -> str:
         """One line for ``eldr artifacts list``; '*' marks ``latest``."""
@@ -291,21 +291,22 @@ class ArtifactStore:
         return sorted(out, key=lambda s: (s.created, s.version), reverse=True)
 
     def _summary(self, version: str, latest: str | None) -> ArtifactSummary:
+        # A full load, not just the manifest: damaged arrays or a content hash that no longer
+        # matches are flagged here as ``show`` and ``serve`` would refuse them (artifacts are
+        # K x D floats, so this stays cheap).
         try:
-            manifest = self.manifest(version)
-            identity = ModelIdentity.from_dict(manifest["identity"])
-            k, dim = manifest["arrays"]["centroids"]["shape"]
-            return ArtifactSummary(
-                version=version,
-                created=str(manifest["created"]),
-                model=identity.describe(),
-                num_clusters=int(k),
-                dim=int(dim),
-                dataset_hash=str(manifest["dataset_hash"]),
-                latest=version == latest,
-            )
-        except (EldrError, KeyError, TypeError, ValueError) as exc:
+            artifact = self.load(version)
+        except EldrError as exc:
             return ArtifactSummary(version, "", "?", 0, 0, "", version == latest, str(exc))
+        return ArtifactSummary(
+            version=version,
+            created=artifact.created,
+            model=artifact.identity.describe(),
+            num_clusters=artifact.num_clusters,
+            dim=artifact.dim,
+            dataset_hash=artifact.dataset_hash,
+            latest=version == latest,
+        )
 
     def _read_arrays(self, version: str, damaged: str) -> dict[str, np.ndarray]:
         path = self.root / version / ARRAYS
