@@ -13,7 +13,7 @@ from stages import paths
 from stages.errors import EldrError
 from stages.serve.policies import needs_centroids
 
-ALL_POLICIES = "eldr,eldr-bl,rr,jsq,random,p2c"
+ALL_POLICIES = "eldr,eldr-bl,eldr-union,rr,jsq,random,p2c"
 
 
 def _rates(text: str) -> list[float]:
@@ -64,6 +64,9 @@ def bench(
     cost: Annotated[str, typer.Option(
         help="--simulate: cost model: 'gpu' (GPU-like preset), 'cpu', or a JSON file from"
         " --engine-cost.")] = "gpu",
+    shuffle_decode: Annotated[bool, typer.Option(
+        "--shuffle-decode", help="--simulate: no-locality control: each request decodes as"
+        " another (seeded), so prefill signatures predict nothing.")] = False,
     engine_cost: Annotated[bool, typer.Option(
         "--engine-cost", help="Measure decode step time vs distinct experts on the running"
         " decode workers and fit the simulator's cost model.")] = False,
@@ -75,7 +78,7 @@ def bench(
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     if simulate:
         _simulate(data, store, names, _rates(request_rate), prefill, decode, duration, cost,
-                  output_tokens, result_dir, seed)
+                  output_tokens, result_dir, seed, shuffle_decode)
     elif engine_cost:
         _engine_cost(url, prompts_path, result_dir, seed)
     else:
@@ -151,7 +154,8 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
 
 def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
               rates: list[float], prefill: int, decode: int, duration: float, cost: str,
-              output_tokens: int | None, result_dir: Path, seed: int) -> None:
+              output_tokens: int | None, result_dir: Path, seed: int,
+              shuffle_decode: bool) -> None:
     from stages.bench.cost_model import CostModel, cpu_like, gpu_like
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
@@ -178,14 +182,16 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
         config = SimConfig(cost=model, num_prefill=prefill, num_decode=decode,
                            request_rate=rate, duration_s=duration, policies=policies,
                            output_tokens=output_tokens,
-                           max_output_tokens=max(512, output_tokens or 0), seed=seed)
+                           max_output_tokens=max(512, output_tokens or 0), seed=seed,
+                           shuffle_decode=shuffle_decode)
         comparison = ComparisonResult(rate, simulate(config, arrays, artifact,
                                                      top_k=identity.top_k))
         sweep.append(comparison)
         save_comparison(comparison, result_dir)
+        control = ", decode profiles shuffled (no locality)" if shuffle_decode else ""
         typer.echo(format_comparison(
             comparison.metrics(), f"simulated {prefill}P{decode}D, {rate:g} req/s,"
-            f" {duration:g} s, {model.name} cost, {identity.describe()}"))
+            f" {duration:g} s, {model.name} cost, {identity.describe()}{control}"))
     source = f"simulated {prefill}P{decode}D, {model.name} cost, {identity.name}"
     for path in write_plots(sweep, result_dir, source, prefix="sim-"):
         typer.echo(f"plot: {path}")

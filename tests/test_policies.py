@@ -41,7 +41,7 @@ EYE4 = np.eye(4, dtype=np.float32)
 
 
 def test_registry_names_every_policy() -> None:
-    assert set(POLICIES) == {"eldr", "eldr-bl", "rr", "jsq", "random", "p2c"}
+    assert set(POLICIES) == {"eldr", "eldr-bl", "eldr-union", "rr", "jsq", "random", "p2c"}
     assert isinstance(make_policy("rr", 3), RoundRobinPolicy)
     assert isinstance(make_policy("jsq", 3), JsqPolicy)
     assert isinstance(make_policy("random", 3), RandomPolicy)

@@ -114,7 +114,7 @@ def test_decode_router_features_and_fallback() -> None:
     kv = wire.encode(domain_signature({"prompt": "domain=2"}))
     f = router.features(kv)
     assert not f.missing and f.vector is not None
-    assert router.choose(f.vector, np.zeros(3, np.int64), np.ones(3, bool)) == 2
+    assert router.choose(f, np.zeros(3, np.int64), np.ones(3, bool)).worker == 2
     assert router.features({"remote_engine_id": "x"}).missing
     # Wrong [L, E] for this artifact counts as missing rather than being misread.
     assert router.features(wire.encode(np.ones((2, 16), np.int32))).missing

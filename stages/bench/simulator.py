@@ -2,7 +2,8 @@
 
 Per request: Poisson arrival -> prefill (``sim_workload``) -> at prefill end the decode policy
 (``make_policy``, the very classes the proxy runs) picks a decode worker from the in-flight
-counts and the request's transformed prefill signature -> after the KV transfer it queues on
+counts and the request's prefill signature (raw and transformed; all-zero counts are "no
+signature", as in the proxy) -> after the KV transfer it queues on
 that worker -> joins the running batch at the next step boundary while the batch has room
 (continuous batching, ``max_batch``) -> one token per step until its output is complete.
 
@@ -28,12 +29,18 @@ from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import ComparisonResult, PolicyResult
 from stages.bench.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
-from stages.serve.policies import POLICIES, DecodePolicy, RoutingRequest, make_policy
+from stages.serve.policies import (
+    POLICIES,
+    DecodePolicy,
+    RoutingRequest,
+    make_policy,
+    signature_counts,
+)
 from stages.serve.policies.eldr import DEFAULT_TAU
 from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
 from stages.signature.dataset import SignatureArrays
 
-DEFAULT_POLICIES = ("eldr", "eldr-bl", "rr", "jsq", "random", "p2c")
+DEFAULT_POLICIES = ("eldr", "eldr-bl", "eldr-union", "rr", "jsq", "random", "p2c")
 _STEP_END, _KV_READY = 0, 1
 _NOISE_BLOCK = 1 << 16
 
@@ -56,6 +63,8 @@ class SimConfig:
     tau: float = DEFAULT_TAU
     epsilon: float = DEFAULT_EPSILON
     step_noise: bool = True  # per-step spread of the distinct-expert count
+    # No-locality control: decode profiles permuted across requests (``sim_workload``).
+    shuffle_decode: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -115,6 +124,7 @@ class _Run:
         self.wl = workload
         self.profiles = profiles
         self.policy = policy
+        self.prefill_counts = arrays.prefill_counts
         num_layers, num_experts = arrays.decode_counts.shape[1:]
         self.num_layers = num_layers
         size = num_layers * num_experts
@@ -155,12 +165,17 @@ class _Run:
         return float(self.noise[self.noise_pos - 1])
 
     def route(self, r: int, t: float) -> None:
-        features = None if self.wl.features is None else self.wl.features[self.wl.feature_rows[r]]
-        request = RoutingRequest(self.loads.copy(), self.eligible, features)
+        counts = signature_counts(self.prefill_counts[self.wl.rows[r]])
+        features = None
+        if counts is not None and self.wl.features is not None:
+            features = self.wl.features[self.wl.feature_rows[r]]
+            if not features.any():
+                features = None  # no count in a kept layer: unknown, as the proxy reads it
+        request = RoutingRequest(self.loads.copy(), self.eligible, features, counts)
         w = self.policy.choose(request)
         if not (0 <= w < self.cfg.num_decode):
             raise EldrError(f"policy {self.policy.name} chose worker {w} of {self.cfg.num_decode}")
-        self.policy.on_dispatch(w, request)
+        self.policy.on_dispatch(w, request, r)
         self.loads[w] += 1
         self.worker[r] = w
         self._push(t + self.cfg.kv_transfer_s, _KV_READY, r)
@@ -178,7 +193,7 @@ class _Run:
         joined = []
         while dec.queue and dec.batch < self.cfg.max_batch:
             r = dec.queue.popleft()
-            lm = self.profiles.log_complement(int(self.wl.rows[r]))
+            lm = self.profiles.log_complement(int(self.wl.decode_rows[r]))
             self.log_miss[r] = lm
             dec.union.add(lm)
             dec.batch += 1
@@ -217,7 +232,7 @@ class _Run:
             if self.measured[r]:
                 dec.measured_in_batch -= 1
             self.loads[w] -= 1
-            self.policy.on_complete(w)
+            self.policy.on_complete(w, r)
         dec.busy = False
         self.start_step(w, t)
 
@@ -319,6 +334,7 @@ def simulate(
         max_output_tokens=config.max_output_tokens,
         seed=config.seed,
         artifact=artifact,
+        shuffle_decode=config.shuffle_decode,
     )
     if not (workload.arrival_s >= config.warmup_s).any():
         raise EldrError("no request arrives after the warm-up; raise the rate or the duration")
@@ -334,6 +350,8 @@ def simulate(
             tau=config.tau,
             worker_slots=config.max_batch,
             epsilon=config.epsilon,
+            top_k=top_k,
+            cost=config.cost,
         )
         run = _Run(config, arrays, workload, profiles, policy, top_k)
         run.run()

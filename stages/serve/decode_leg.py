@@ -77,7 +77,7 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
         if not eligible.any():
             break
         t0 = perf_counter()
-        worker = router.choose(handoff.features.vector, pool.loads(), eligible)
+        worker, on_complete = router.choose(handoff.features, pool.loads(), eligible)
         # The first decision also paid for the signature transform; retries reuse it.
         metrics.decision_seconds.observe(
             perf_counter() - t0 + (handoff.feature_seconds if not attempt else 0)
@@ -85,7 +85,7 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
         metrics.decisions.labels(router.policy_name, pool.name(worker)).inc()
         if attempt:
             metrics.retries.labels("decode").inc()
-        lease = pool.acquire(worker, router.on_complete)
+        lease = pool.acquire(worker, on_complete)
         outcome = await _attempt(ctx, lease, payload)
         if not isinstance(outcome, Failure):
             return outcome

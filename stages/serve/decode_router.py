@@ -6,9 +6,12 @@ never interleaves with another, and tests drive it directly.
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -16,7 +19,13 @@ from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
 from stages.serve.artifact_source import ArtifactLike
 from stages.serve.online_refit import OnlineRefitter, RefitResult
-from stages.serve.policies import DecodePolicy, EldrPolicy, RoutingRequest, make_policy
+from stages.serve.policies import (
+    DecodePolicy,
+    EldrPolicy,
+    RoutingRequest,
+    make_policy,
+    signature_counts,
+)
 from stages.serve.policies.cluster_map import remap_for_healthy, spread_clusters
 from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
 from stages.signature import wire
@@ -26,6 +35,18 @@ from stages.signature import wire
 class Features:
     vector: np.ndarray | None  # float32 [D] unit vector, None when unknown
     missing: bool  # the policy wanted a signature and the prefill did not deliver a valid one
+    counts: np.ndarray | None = None  # int32 [L, E] as decoded, for policies that read counts
+
+
+NO_FEATURES = Features(None, missing=False)
+
+
+class Decision(NamedTuple):
+    """A chosen worker and what to call (with the worker index) once its request ended: the
+    policy then drops exactly this request's part (``WorkerPool.acquire``'s release hook)."""
+
+    worker: int
+    on_complete: Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,8 @@ class DecodeRouter:
         # Bumped whenever centroids are replaced wholesale, so a refit computed against old
         # centroids is dropped instead of overwriting a newer artifact.
         self.generation = 0
+        # Names each dispatched request for the policy until it completes.
+        self._keys = itertools.count()
         if artifact is not None:
             self._install(artifact)
         self.tau = tau
@@ -76,7 +99,13 @@ class DecodeRouter:
             worker_of_centroid=self._worker_of_centroid,
             worker_slots=self.worker_slots,
             epsilon=epsilon,
+            top_k=self._top_k(),
         )
+
+    def _top_k(self) -> int | None:
+        """The model's experts per token, which turns counts into per-token probabilities; only
+        an artifact's identity says it today (else counts policies route by load)."""
+        return None if self.artifact is None else int(self.artifact.identity.top_k)
 
     def set_policy(
         self, name: str, tau: float | None = None, epsilon: float | None = None
@@ -87,9 +116,14 @@ class DecodeRouter:
         self.tau, self.epsilon = tau, epsilon
 
     def set_artifact(self, artifact: ArtifactLike) -> None:
+        top_k = self._top_k()
         self._install(artifact)
         if isinstance(self.policy, EldrPolicy):
             self.policy.set_centroids(self._centroids, self._worker_of_centroid)
+        elif self.policy.uses_counts and self._top_k() != top_k:
+            # A new top-k is a new reading of every count; in-flight requests keep completing
+            # on the policy that counted them (their Decision holds it).
+            self.policy = self._build(self.policy.name, self.tau, self.epsilon)
 
     def _install(self, artifact: ArtifactLike) -> None:
         centroids = np.asarray(artifact.centroids, dtype=np.float32)
@@ -122,31 +156,40 @@ class DecodeRouter:
     # --- per request ---
 
     def features(self, kv_transfer_params: dict[str, Any] | None) -> Features:
-        if not self.policy.uses_signature or self.artifact is None:
-            return Features(None, missing=False)
-        counts = wire.decode(kv_transfer_params, self._expected_shape)
-        if counts is None or not counts.any():
+        policy = self.policy
+        wants_vector = policy.uses_signature and self.artifact is not None
+        if not (wants_vector or policy.uses_counts):
+            return NO_FEATURES
+        # Without an artifact the shape is not known here; a counts policy checks it.
+        counts = signature_counts(wire.decode(kv_transfer_params, self._expected_shape))
+        if counts is None:
             # An empty signature is a recording failure (the worker counts it), not a request
             # with no preference: count it as missing here too.
             return Features(None, missing=True)
+        kept = counts if policy.uses_counts else None
+        if not wants_vector:
+            return Features(None, missing=False, counts=kept)
         vector = np.asarray(self.artifact.transform.apply(counts), dtype=np.float32)
         if not vector.any():
             # No count in any kept layer: every centroid ties at 0, which would send all such
             # requests to the lowest index. Treat it as unknown (JSQ, random ties) instead.
-            return Features(None, missing=False)
+            return Features(None, missing=False, counts=kept)
         if self.refitter is not None:
             self.refitter.observe(vector, time.monotonic())
-        return Features(vector, missing=False)
+        return Features(vector, missing=False, counts=kept)
 
-    def choose(self, features: np.ndarray | None, loads: np.ndarray, eligible: np.ndarray) -> int:
+    def choose(self, features: Features, loads: np.ndarray, eligible: np.ndarray) -> Decision:
         """Pick a worker; the caller dispatches right away, so the policy hears of it now."""
-        request = RoutingRequest(loads=loads, eligible=eligible, features=features)
-        worker = self.policy.choose(request)
-        self.policy.on_dispatch(worker, request)
-        return worker
-
-    def on_complete(self, worker: int) -> None:
-        self.policy.on_complete(worker)
+        request = RoutingRequest(
+            loads=loads, eligible=eligible, features=features.vector, counts=features.counts
+        )
+        policy = self.policy
+        worker = policy.choose(request)
+        key = next(self._keys)
+        policy.on_dispatch(worker, request, key)
+        # Bound to the policy that heard the dispatch: after a switch the old one hears the
+        # completion and forgets the request; the new one never counted it.
+        return Decision(worker, partial(policy.on_complete, key=key))
 
     # --- online refit (the proxy runs ``fit`` off the event loop) ---
 

@@ -16,6 +16,19 @@ import numpy as np
 PI_MAX = 1.0 - 1e-9
 
 
+def inclusion_probabilities(counts: np.ndarray, top_k: int) -> np.ndarray:
+    """``pi`` as float64 ``[L, E]`` for one request's ``[L, E]`` counts, at most ``PI_MAX``; a
+    layer without counts gets a uniform ``k/E``. The proxy's batch-aware policy reads a
+    prefill signature this way, as a prediction of the decode profile."""
+    per_layer = counts.sum(axis=1, dtype=np.float64)
+    num_experts = counts.shape[1]
+    scale = top_k / np.where(per_layer > 0, per_layer, 1.0)
+    pi = counts * scale[:, None]
+    if not per_layer.all():
+        pi[per_layer == 0] = top_k / num_experts
+    return np.minimum(pi, PI_MAX, out=pi)
+
+
 def inclusion_log_complement(
     decode_counts: np.ndarray, top_k: int, fallback: np.ndarray | None = None
 ) -> np.ndarray:
@@ -24,17 +37,10 @@ def inclusion_log_complement(
     A layer without decode counts (a one-token answer) uses ``fallback`` (its prefill counts),
     else a uniform ``k/E``.
     """
-    counts = decode_counts.astype(np.float64)
-    per_layer = counts.sum(axis=1, keepdims=True)
-    if fallback is not None and (per_layer == 0).any():
-        fb = fallback.astype(np.float64)
-        empty = per_layer[:, 0] == 0
-        counts[empty] = fb[empty]
-        per_layer = counts.sum(axis=1, keepdims=True)
-    num_experts = counts.shape[1]
-    pi = np.where(
-        per_layer > 0,
-        counts * top_k / np.where(per_layer > 0, per_layer, 1.0),
-        top_k / num_experts,
-    )
-    return np.log1p(-np.minimum(pi, PI_MAX)).ravel()
+    counts = decode_counts
+    if fallback is not None:
+        empty = decode_counts.sum(axis=1) == 0
+        if empty.any():
+            counts = decode_counts.copy()
+            counts[empty] = fallback[empty]
+    return np.log1p(-inclusion_probabilities(counts, top_k)).ravel()

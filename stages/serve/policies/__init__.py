@@ -6,21 +6,28 @@ the same thing in both.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from stages.errors import EldrError
-from stages.serve.policies.base import DecodePolicy, RoutingRequest
+from stages.serve.policies.base import DecodePolicy, RoutingRequest, signature_counts
 from stages.serve.policies.eldr import DEFAULT_TAU, EldrPolicy
 from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON, EldrBoundedPolicy
+from stages.serve.policies.eldr_union import EldrUnionPolicy, UnionParams
 from stages.serve.policies.jsq import JsqPolicy
 from stages.serve.policies.p2c import PowerOfTwoPolicy
 from stages.serve.policies.random_policy import RandomPolicy
 from stages.serve.policies.round_robin import RoundRobinPolicy
 
+if TYPE_CHECKING:
+    from stages.bench.cost_model import CostModel
+
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls
     for cls in (
-        EldrPolicy, EldrBoundedPolicy, RoundRobinPolicy, JsqPolicy, RandomPolicy, PowerOfTwoPolicy
+        EldrPolicy, EldrBoundedPolicy, EldrUnionPolicy, RoundRobinPolicy, JsqPolicy,
+        RandomPolicy, PowerOfTwoPolicy,
     )
 }
 
@@ -34,13 +41,16 @@ def make_policy(
     worker_of_centroid: np.ndarray | None = None,
     worker_slots: int | None = None,
     epsilon: float = DEFAULT_EPSILON,
+    top_k: int | None = None,
+    cost: CostModel | None = None,
 ) -> DecodePolicy:
     """Build policy ``name`` for ``num_workers`` decode workers.
 
     ``centroids`` (``[K, D]``, K >= num_workers: see ``cluster_map``) and ``tau`` only matter
     to signature-aware policies, ``worker_slots`` (each worker's batch size) and ``epsilon``
-    (load slack) to load-capped ones; an unknown name or ELDR without enough centroids is a
-    user error.
+    (load slack) to load-capped ones, ``top_k`` (the model's experts per token) and ``cost``
+    (decode step-time model) to the batch-aware one; an unknown name or ELDR without enough
+    centroids is a user error.
     """
     cls = POLICIES.get(name)
     if cls is None:
@@ -57,6 +67,9 @@ def make_policy(
             num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid,
             **kwargs,
         )
+    if issubclass(cls, EldrUnionPolicy):
+        params = UnionParams(top_k=top_k, cost=cost, worker_slots=worker_slots)
+        return cls(num_workers, seed, params=params)
     return cls(num_workers, seed)
 
 
@@ -67,6 +80,6 @@ def needs_centroids(name: str) -> bool:
 
 
 __all__ = [
-    "POLICIES", "DecodePolicy", "EldrBoundedPolicy", "EldrPolicy", "RoutingRequest",
-    "make_policy", "needs_centroids",
+    "POLICIES", "DecodePolicy", "EldrBoundedPolicy", "EldrPolicy", "EldrUnionPolicy",
+    "RoutingRequest", "UnionParams", "make_policy", "needs_centroids", "signature_counts",
 ]

@@ -1,0 +1,210 @@
+"""The batch-aware policy (eldr-union): per-request bookkeeping, its rule, and its fallbacks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from stages.bench.cost_model import CostModel
+from stages.errors import EldrError
+from stages.serve.decode_router import DecodeRouter
+from stages.serve.policies import (
+    EldrUnionPolicy,
+    RoutingRequest,
+    UnionParams,
+    make_policy,
+    needs_centroids,
+)
+from stages.signature import wire
+from tests.fakes.artifact import domain_artifact
+
+LAYERS, EXPERTS, TOP_K = 2, 8, 2
+# Expert cost dominates the per-sequence cost, as in memory-bound MoE decode.
+COST = CostModel(num_layers=LAYERS, base_s=1e-3, per_token_s=2e-4, per_expert_s=1e-3)
+
+
+def peaked(experts: tuple[int, ...], tokens: int = 20) -> np.ndarray:
+    """Counts of a prompt whose tokens each pick ``TOP_K`` of ``experts`` in every layer."""
+    counts = np.zeros((LAYERS, EXPERTS), np.int32)
+    counts[:, list(experts)] = tokens * TOP_K // len(experts)
+    return counts
+
+
+A, B = peaked((0, 1)), peaked((4, 5))
+
+
+def policy(workers: int = 2, **kw) -> EldrUnionPolicy:
+    params = UnionParams(top_k=TOP_K, cost=COST, **kw)
+    return EldrUnionPolicy(workers, seed=0, params=params)
+
+
+def req(loads, counts=None, eligible=None) -> RoutingRequest:
+    loads = np.asarray(loads, np.int64)
+    elig = np.ones(loads.size, bool) if eligible is None else np.asarray(eligible, bool)
+    return RoutingRequest(loads=loads, eligible=elig, counts=counts)
+
+
+def dispatch(p: EldrUnionPolicy, worker: int, counts: np.ndarray, key: object, loads) -> None:
+    p.on_dispatch(worker, req(loads, counts), key)
+
+
+def added(p: EldrUnionPolicy, counts: np.ndarray, loads) -> np.ndarray:
+    r = req(loads, counts)
+    p.choose(r)  # a decision first: it reads the signature's shape
+    pi = p._predict(r)
+    assert pi is not None
+    return p.added_latency(pi, np.asarray(loads, np.int64))
+
+
+def test_registry_builds_it_without_centroids() -> None:
+    p = make_policy("eldr-union", 3, top_k=2, cost=COST, worker_slots=4)
+    assert isinstance(p, EldrUnionPolicy)
+    assert p.params == UnionParams(top_k=2, cost=COST, worker_slots=4)
+    assert not needs_centroids("eldr-union")
+    with pytest.raises(EldrError, match="top_k"):
+        UnionParams(top_k=0)
+    with pytest.raises(EldrError, match="slots"):
+        UnionParams(worker_slots=0)
+
+
+def test_dispatch_and_completion_add_and_remove_one_request_by_key() -> None:
+    p = policy()
+    empty = added(p, A, [0, 0])
+    assert empty[0] == empty[1]
+    dispatch(p, 0, A, "a", [0, 0])
+    dispatch(p, 0, B, "b", [1, 0])
+    both = added(p, A, [2, 0])
+    p.on_complete(0, "a")
+    only_b = policy()
+    added(only_b, A, [0, 0])
+    dispatch(only_b, 0, B, "b", [0, 0])
+    # Exactly b's part is left on worker 0: as if a had never been there.
+    np.testing.assert_allclose(added(p, A, [1, 0]), added(only_b, A, [1, 0]), rtol=1e-12)
+    assert not np.allclose(added(p, A, [2, 0]), both)
+    p.on_complete(0, "b")
+    np.testing.assert_array_equal(added(p, A, [0, 0]), empty)  # back to empty, bit for bit
+
+
+def test_unknown_keys_are_ignored_and_misuse_is_an_error() -> None:
+    p = policy()
+    before = added(p, A, [0, 0])
+    p.on_complete(1, "never-dispatched")  # e.g. sent before a policy switch
+    np.testing.assert_array_equal(added(p, A, [0, 0]), before)
+    dispatch(p, 1, A, 7, [0, 0])
+    with pytest.raises(EldrError, match="twice"):
+        dispatch(p, 0, B, 7, [0, 1])
+    with pytest.raises(EldrError, match="sent to 1"):
+        p.on_complete(0, 7)
+
+
+def test_prefers_the_worker_whose_experts_overlap() -> None:
+    p = policy()
+    dispatch(p, 0, A, "a", [0, 0])
+    dispatch(p, 1, B, "b", [1, 0])
+    loads = [1, 1]
+    assert all(p.choose(req(loads, peaked((0, 1)))) == 0 for _ in range(20))
+    assert all(p.choose(req(loads, peaked((4, 5)))) == 1 for _ in range(20))
+    # Overlap is worth some load: one more request is cheaper than new experts ...
+    dispatch(p, 0, A, "a2", [1, 1])
+    assert p.choose(req([2, 1], A)) == 0
+    # ... but not any load.
+    for i in range(28):
+        dispatch(p, 0, A, f"more{i}", [2 + i, 1])
+    assert p.choose(req([30, 1], A)) == 1
+
+
+def test_spreads_when_nothing_overlaps() -> None:
+    p = policy(workers=3)
+    picks = [p.choose(req([0, 0, 0], A)) for _ in range(300)]
+    assert set(Counter(picks)) == {0, 1, 2}  # empty workers are exact ties: random
+
+
+def test_respects_batch_slots() -> None:
+    p = policy(worker_slots=2)
+    dispatch(p, 0, A, "a", [0, 0])
+    dispatch(p, 0, A, "a2", [1, 0])
+    dispatch(p, 1, B, "b", [2, 0])
+    assert p.choose(req([2, 1], A)) == 1  # the overlapping worker has no free slot
+    # Every worker full: the request queues where the queue is shortest.
+    assert p.choose(req([3, 2], A)) == 1
+
+
+def test_without_a_signature_it_is_least_loaded_with_random_ties() -> None:
+    p = policy(workers=4)
+    dispatch(p, 2, A, "a", [0, 0, 0, 0])
+    zero = np.zeros((LAYERS, EXPERTS), np.int32)
+    for counts in (None, zero):
+        assert p.choose(req([3, 1, 2, 5], counts)) == 1
+        picks = Counter(p.choose(req([1, 0, 0, 1], counts)) for _ in range(200))
+        assert set(picks) == {1, 2}
+    # Another model's shape predicts nothing here; so does a policy without top-k.
+    assert p.choose(req([3, 1, 2, 5], np.ones((3, 4), np.int32))) == 1
+    blind = EldrUnionPolicy(4, params=UnionParams(top_k=None, cost=COST))
+    assert blind.choose(req([3, 1, 2, 5], A)) == 1
+    blind.on_dispatch(1, req([3, 1, 2, 5], A), "x")
+    blind.on_complete(1, "x")
+
+
+def test_never_picks_an_ineligible_worker() -> None:
+    rng = np.random.default_rng(0)
+    p = policy(workers=5, worker_slots=3)
+    inflight: dict[int, int] = {}
+    loads = np.zeros(5, np.int64)
+    for key in range(400):
+        eligible = rng.random(5) < 0.6
+        if not eligible.any():
+            eligible[rng.integers(5)] = True
+        counts = [A, B, peaked((2, 3)), None][rng.integers(4)]
+        r = RoutingRequest(loads=loads.copy(), eligible=eligible, counts=counts)
+        w = p.choose(r)
+        assert eligible[w]
+        if (loads[eligible] < 3).any():
+            assert loads[w] < 3
+        p.on_dispatch(w, r, key)
+        loads[w] += 1
+        inflight[key] = w
+        if len(inflight) > 8:
+            done = min(inflight)
+            p.on_complete(inflight[done], done)
+            loads[inflight.pop(done)] -= 1
+
+
+def test_decode_router_gives_it_counts_and_keys() -> None:
+    art = domain_artifact(2)  # a prior for nothing here; it only says top-k and [L, E]
+    router = DecodeRouter(2, "eldr-union", 0.1, art)
+    assert isinstance(router.policy, EldrUnionPolicy)
+    assert router.policy.params.top_k == art.identity.top_k
+    shape = art.identity.shape
+    a = np.zeros(shape, np.int32)
+    a[:, 3] = 10
+    f = router.features(wire.encode(a))
+    assert f.vector is None and not f.missing and f.counts is not None
+    np.testing.assert_array_equal(f.counts, a)
+    assert router.features(wire.encode(np.zeros(shape, np.int32))).missing
+    assert router.features({"remote_engine_id": "x"}).missing
+    b = np.zeros(shape, np.int32)
+    b[:, 9] = 10
+    loads = np.zeros(2, np.int64)
+    decisions = []
+    for counts in (a, b, a):
+        decisions.append(router.choose(router.features(wire.encode(counts)), loads, loads >= 0))
+        loads[decisions[-1].worker] += 1
+    first, other, third = (d.worker for d in decisions)
+    assert other != first and third == first  # the same experts again: where they run
+    policy_before = router.policy
+    router.set_policy("jsq")
+    for d in decisions:
+        d.on_complete(d.worker)  # the policy that counted it forgets it
+    assert not policy_before._members
+    router.set_policy("eldr-union")
+    assert router.features(wire.encode(a)).counts is not None
+
+
+def test_decode_router_without_artifact_routes_by_load() -> None:
+    router = DecodeRouter(3, "eldr-union", 0.1, None)
+    a = np.ones((4, 16), np.int32)
+    f = router.features(wire.encode(a))
+    assert f.counts is not None  # decoded; top-k unknown, so the policy reads load only
+    assert router.choose(f, np.array([2, 0, 1]), np.ones(3, bool)).worker == 1
