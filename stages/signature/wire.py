@@ -11,6 +11,7 @@ import base64
 from typing import Any
 
 import numpy as np
+import pybase64
 
 SIGNATURE_KEY = "eldr_signature"
 SHAPE_KEY = "eldr_signature_shape"
@@ -58,7 +59,9 @@ def decode(params: dict[str, Any] | None, expected_shape: tuple[int, int] | None
         return None
     try:
         shape = tuple(int(x) for x in params[SHAPE_KEY])
-        raw = base64.b64decode(params[SIGNATURE_KEY], validate=True)
+        # The stdlib's decoder takes ~45 us for a 48 x 128 signature, most of a routing
+        # decision; pybase64 (SIMD) takes ~1.5 us and validates the same way.
+        raw = pybase64.b64decode(params[SIGNATURE_KEY], validate=True)
     except (KeyError, TypeError, ValueError):
         return None
     if len(shape) != 2 or shape[0] * shape[1] * 2 != len(raw):
