@@ -34,13 +34,26 @@ def list_artifacts(store: StoreOption = None) -> None:
 def show(
     version: Annotated[str, typer.Argument(help="Version (or 'latest').")] = "latest",
     store: StoreOption = None,
+    gain: Annotated[bool, typer.Option(
+        "--gain", help="Print only the held-out gain estimate `eldr fit` printed, as text.")
+    ] = False,
 ) -> None:
     """Print an artifact's model identity, fit parameters and metrics as JSON."""
     from dataclasses import asdict
 
+    from stages.errors import EldrError
     from stages.fit.artifact import ArtifactStore
+    from stages.fit.gain_report import gain_lines
 
     artifact = ArtifactStore(store or paths.default_artifact_store()).load(version)
+    if gain:
+        estimate = artifact.metrics.get("expected_gain")
+        if estimate is None:
+            raise EldrError(f"artifact {artifact.version} predates the gain estimate; refit it"
+                            " with `eldr fit`")
+        for line in gain_lines(estimate, artifact.num_clusters):
+            typer.echo(line)
+        return
     typer.echo(json.dumps({
         "version": artifact.version,
         "created": artifact.created,

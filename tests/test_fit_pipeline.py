@@ -47,11 +47,14 @@ def test_fit_artifact_end_to_end(tmp_path: Path) -> None:
     assert held["distinct_experts_reduction"] > 0.1
     # Per decode step too (16 tokens per request: a step sees far fewer experts than a whole
     # decode does).
-    assert held["step_distinct_experts_reduction"] > 0.1
+    gain = m["expected_gain"]
+    step = {r["batch_size"]: r for r in gain["batches"] if "change" in r}
+    assert step[8]["change"] < -0.1 and gain["verdict"] == "gain"
     assert (
-        held["same_cluster_step_distinct_experts_per_layer"]
+        step[8]["same_cluster_distinct_experts_per_layer"]
         < held["same_cluster_distinct_experts_per_layer"]
     )
+    assert m["warnings"] == []  # 64 training signatures per cluster
     # Same data, same config: same content, same version.
     again = fit_artifact(prefill, decode, IDENTITY, "d" * 64, config, store)
     assert again.version == artifact.version
@@ -66,6 +69,7 @@ def test_plain_kmeans_and_no_holdout(tmp_path: Path) -> None:
     artifact = fit_artifact(prefill, decode, IDENTITY, "e" * 64, config, ArtifactStore(tmp_path))
     assert artifact.params["balanced"] is False and artifact.params["num_holdout"] == 0
     assert "note" in artifact.metrics["holdout"]
+    assert artifact.metrics["expected_gain"]["verdict"] == "unknown"
     plot_fit(artifact, tmp_path / "plain.png")
 
 
@@ -93,13 +97,13 @@ def test_distinct_experts_per_layer() -> None:
 
 def test_expected_step_experts_matches_sampling() -> None:
     """The closed form equals a Monte Carlo of requests drawing their top-k picks."""
+    from stages.fit.gain import step_experts_per_layer
     from stages.signature.inclusion import inclusion_log_complement
-    from stages.fit.pipeline import expected_step_experts_per_layer
 
     rng = np.random.default_rng(3)
     decode = rng.multinomial(32, rng.dirichlet(np.full(16, 0.3), size=(4, 2)))  # [B=4, L=2, E]
     logc = np.stack([inclusion_log_complement(d, top_k=1) for d in decode])
-    expected = expected_step_experts_per_layer(logc, num_layers=2)
+    [expected] = step_experts_per_layer(logc, np.arange(4)[None], num_layers=2)
     draws = []
     for _ in range(4000):
         active = np.zeros((2, 16), bool)

@@ -208,3 +208,13 @@ def cpu_like(num_layers: int) -> CostModel:
         prefill_per_token_s=1e-3,
         name="cpu-like",
     )
+
+
+def cost_model_for(spec: str, num_layers: int, num_experts: int) -> CostModel:
+    """``spec`` as the CLI takes it: ``gpu`` (GPU-like preset, the default of
+    ``eldr bench --simulate``), ``cpu``, or a JSON file from ``eldr bench --engine-cost``."""
+    if spec == "gpu":
+        return gpu_like(num_layers, num_experts)
+    if spec == "cpu":
+        return cpu_like(num_layers)
+    return CostModel.load(Path(spec))

@@ -1,16 +1,17 @@
 """``eldr fit``: signatures in, one stored artifact out (transform, centroids, metrics).
 
 Requests are split (seeded) into a training part, on which the transform and the centroids are
-fit, and a held-out part, which measures what routing by centroid buys: the mean number of
-distinct experts per layer that a decode batch of same-cluster requests activates, against
-random batches of the same size (the quantity ELDR shrinks; fewer distinct experts means less
-weight traffic per decode step).
+fit, and a held-out part, which measures what routing by centroid buys: the distinct experts
+per layer that a decode batch of same-cluster requests activates, against random batches of
+the same size (the quantity ELDR shrinks; fewer distinct experts means less weight traffic per
+decode step). Per decode step, with an interval and the TPOT change it predicts, in
+``stages.fit.gain``; over a whole decode here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,18 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
+from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain
 from stages.fit.kmeans import balanced_spherical_kmeans
 from stages.signature.dataset import ModelIdentity
 from stages.signature.inclusion import inclusion_log_complement
 from stages.signature.transform import fit_transform
 
-# Random batches drawn for the baseline: enough for a stable mean even with few same-cluster
-# batches.
+# Random batches drawn for the whole-decode baseline: enough for a stable mean even with few
+# same-cluster batches.
 _MIN_RANDOM_BATCHES = 256
+# Fewer training signatures per cluster and a centroid fits a handful of requests: the
+# within-cluster cosine looks perfect and says nothing about unseen traffic.
+MIN_SIGNATURES_PER_CLUSTER = 20
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,8 @@ class FitConfig:
     holdout_fraction: float = 0.2
     num_pairs: int = 30000
     max_iter: int = 50
-    eval_batch_size: int = 8  # decode batch size for the held-out distinct-experts metric
+    eval_batch_size: int = 8  # decode batch size for the held-out whole-decode metric
+    gain: GainConfig = field(default_factory=GainConfig)  # held-out per-step gain estimate
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -55,8 +61,13 @@ def fit_artifact(
     config: FitConfig,
     store: ArtifactStore,
     progress: Callable[[str], None] | None = None,
+    cost: StepTimeModel | None = None,
 ) -> Artifact:
-    """Fit transform + (balanced) spherical k-means, save the artifact, return it as loaded."""
+    """Fit transform + (balanced) spherical k-means, save the artifact, return it as loaded.
+
+    ``cost`` turns the held-out distinct-expert estimate into a TPOT change; without it only
+    the expert counts are estimated.
+    """
     say = progress or (lambda _msg: None)
     prefill, decode = _checked_counts(prefill_counts, decode_counts, identity)
     train, held = split_requests(len(prefill), config.holdout_fraction, config.seed)
@@ -80,6 +91,12 @@ def fit_artifact(
     km = balanced_spherical_kmeans(
         x, config.k, config.seed, config.balanced, config.max_iter, progress=say
     )
+    x_held = transform.apply(prefill[held])
+    step_profiles = np.stack([
+        inclusion_log_complement(d, identity.top_k, fallback=p)
+        for d, p in zip(decode[held], prefill[held], strict=True)
+    ]) if len(held) else np.zeros((0, identity.num_layers * identity.num_experts))
+    say(f"held-out gain: {len(held)} requests, batch sizes {list(config.gain.batch_sizes)}")
     metrics: dict[str, Any] = {
         "cluster_sizes": np.bincount(km.labels, minlength=config.k).tolist(),
         "mean_within_cluster_cosine": km.objective / len(train),
@@ -88,16 +105,14 @@ def fit_artifact(
         "rho_trace": rho_trace,
         "layers": layers.tolist(),
         "holdout": holdout_metrics(
-            transform.apply(prefill[held]),
-            decode[held],
-            km.centroids,
-            config.eval_batch_size,
+            x_held, decode[held], km.centroids, config.eval_batch_size,
             np.random.default_rng(config.seed + 1),
-            step_profiles=np.stack([
-                inclusion_log_complement(d, identity.top_k, fallback=p)
-                for d, p in zip(decode[held], prefill[held], strict=True)
-            ]) if len(held) else None,
         ),
+        "expected_gain": estimate_gain(
+            x_held, km.centroids, step_profiles, identity.num_layers, config.gain,
+            np.random.default_rng(config.seed + 2), cost,
+        ),
+        "warnings": fit_warnings(len(train), config.k, km.objective / len(train)),
     }
     params = {
         **asdict(config),
@@ -124,6 +139,21 @@ def split_requests(n: int, holdout_fraction: float, seed: int) -> tuple[np.ndarr
     return np.sort(order[n_held:]), np.sort(order[:n_held])
 
 
+def fit_warnings(num_train: int, k: int, mean_cosine: float) -> list[str]:
+    """What the user should know before trusting this fit."""
+    per_cluster = num_train / k
+    if per_cluster >= MIN_SIGNATURES_PER_CLUSTER:
+        return []
+    enough = MIN_SIGNATURES_PER_CLUSTER * k
+    fewer_k = max(1, num_train // MIN_SIGNATURES_PER_CLUSTER)
+    return [
+        f"k={k} is large for {num_train} training signatures: {per_cluster:.1f} per cluster"
+        f" (fewer than {MIN_SIGNATURES_PER_CLUSTER}), so each centroid fits a few requests and"
+        f" the mean within-cluster cosine ({mean_cosine:.3f}) says nothing about new traffic;"
+        f" capture at least {enough} signatures for k={k}, or fit k<={fewer_k}"
+    ]
+
+
 def distinct_experts_per_layer(active: np.ndarray) -> float:
     """Mean over layers of the experts that at least one request of the batch used.
 
@@ -132,33 +162,20 @@ def distinct_experts_per_layer(active: np.ndarray) -> float:
     return float(active.any(axis=0).sum(axis=1).mean())
 
 
-def expected_step_experts_per_layer(log_complement: np.ndarray, num_layers: int) -> float:
-    """Expected distinct experts per layer in one decode step of a batch.
-
-    ``log_complement``: ``[B, L*E]`` per-request ``log(1 - pi)`` (see
-    ``stages.bench.expert_union``): expert (l, e) is active in a step with probability
-    ``1 - prod_r (1 - pi_r)``.
-    """
-    active = -np.expm1(log_complement.sum(axis=0))
-    return float(active.sum() / num_layers)
-
-
 def holdout_metrics(
     x: np.ndarray,
     decode: np.ndarray,
     centroids: np.ndarray,
     batch_size: int,
     rng: np.random.Generator,
-    step_profiles: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """Distinct experts per layer: batches of same-cluster held-out requests vs random ones.
+    """Whole-decode distinct experts per layer: same-cluster held-out batches vs random ones.
 
     Held-out requests go to their nearest centroid (ELDR's tau = 0 rule, without load); each
     cluster's requests are shuffled and cut into full batches. Random batches of the same size
-    are drawn from all held-out requests. Two measures: the experts a batch's requests used
-    over their whole decode (saturates as answers grow), and, given ``step_profiles``
-    (``[n, L*E]`` log-complements), the expected distinct experts of one decode step, the
-    quantity a step's weight reads follow.
+    are drawn from all held-out requests. The measure is the experts a batch's requests used
+    over their whole decode; it saturates as answers grow, so the per-step estimate
+    (``stages.fit.gain``) is the one that predicts step time.
     """
     n = len(x)
     if n < batch_size:
@@ -181,19 +198,12 @@ def holdout_metrics(
         "num_same_cluster_batches": len(same_batches),
         "num_random_batches": num_random,
     }
-    measures = {"": lambda b: distinct_experts_per_layer(active[b])}
-    if step_profiles is not None:
-        num_layers = decode.shape[1]
-        measures["step_"] = lambda b: expected_step_experts_per_layer(
-            step_profiles[b], num_layers
-        )
-    for prefix, measure in measures.items():
-        rand = float(np.mean([measure(b) for b in random_batches]))
-        out[f"random_{prefix}distinct_experts_per_layer"] = rand
-        if same_batches:
-            same = float(np.mean([measure(b) for b in same_batches]))
-            out[f"same_cluster_{prefix}distinct_experts_per_layer"] = same
-            out[f"{prefix}distinct_experts_reduction"] = 1.0 - same / rand
+    rand = float(np.mean([distinct_experts_per_layer(active[b]) for b in random_batches]))
+    out["random_distinct_experts_per_layer"] = rand
+    if same_batches:
+        same = float(np.mean([distinct_experts_per_layer(active[b]) for b in same_batches]))
+        out["same_cluster_distinct_experts_per_layer"] = same
+        out["distinct_experts_reduction"] = 1.0 - same / rand
     return out
 
 
@@ -211,6 +221,7 @@ def plot_fit(artifact: Artifact, path: Path) -> Path:
 
     sizes = metrics.get("cluster_sizes", [])
     ax_sizes.bar(range(len(sizes)), sizes, color="tab:blue")
+    ax_sizes.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_sizes.set(
         title="training cluster sizes", xlabel="cluster (decode worker)", ylabel="requests"
     )
@@ -224,33 +235,41 @@ def plot_fit(artifact: Artifact, path: Path) -> Path:
         ylabel="Spearman rho (signature vs decode)",
     )
 
-    holdout = metrics.get("holdout", {})
-    groups = [
-        (label, holdout.get(f"same_cluster_{prefix}distinct_experts_per_layer"),
-         holdout.get(f"random_{prefix}distinct_experts_per_layer"))
-        for label, prefix in (("one decode step", "step_"), ("whole decode", ""))
-    ]
-    groups = [g for g in groups if g[1] is not None and g[2] is not None]
-    if groups:
-        where = np.arange(len(groups))
-        ax_experts.bar(where - 0.2, [g[1] for g in groups], 0.4, label="same cluster",
-                       color="tab:orange")
-        ax_experts.bar(where + 0.2, [g[2] for g in groups], 0.4, label="random",
-                       color="tab:gray")
-        ax_experts.set_xticks(where, [g[0] for g in groups])
-        ax_experts.legend()
-        ax_experts.set(
-            title=f"held-out decode batches of {holdout['batch_size']}",
-            ylabel="distinct experts per layer",
-        )
-    else:
-        ax_experts.set_axis_off()
-        ax_experts.text(0.5, 0.5, "no held-out batches", ha="center", va="center")
+    _plot_gain(ax_experts, metrics.get("expected_gain", {}))
     fig.suptitle(f"eldr artifact {artifact.version}: {artifact.identity.describe()}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def _plot_gain(ax: Any, gain: dict[str, Any]) -> None:
+    """Same-cluster vs random distinct experts per step at each estimated batch size, the
+    change and its interval written above each pair."""
+    rows = [r for r in gain.get("batches", []) if "change" in r]
+    if not rows:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "too few held-out requests per cluster\nto estimate the gain",
+                ha="center", va="center")
+        return
+    where = np.arange(len(rows))
+    same = [r["same_cluster_distinct_experts_per_layer"] for r in rows]
+    rand = [r["random_distinct_experts_per_layer"] for r in rows]
+    ax.bar(where - 0.2, same, 0.4, label="same cluster (ELDR)", color="tab:orange")
+    ax.bar(where + 0.2, rand, 0.4, label="random (load balancer)", color="tab:gray")
+    for x, r, top in zip(where, rows, np.maximum(same, rand), strict=True):
+        lo, hi = r["change_ci"]
+        ax.annotate(f"{r['change']:+.1%}\n[{lo:+.1%}, {hi:+.1%}]", (x, top), ha="center",
+                    va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(where, [str(r["batch_size"]) for r in rows])
+    ax.set_ylim(0, 1.25 * max(max(same), max(rand)))
+    ax.legend(loc="upper left", fontsize=8)
+    level = round(100 * gain["confidence"])
+    ax.set(
+        title=f"one decode step, {gain['num_holdout']} held out ({level}% CI)",
+        xlabel="decode batch size",
+        ylabel="expected distinct experts per layer",
+    )
 
 
 def _checked_counts(
