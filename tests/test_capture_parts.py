@@ -185,3 +185,23 @@ def test_signatures_follow_a_full_attention_group_under_hma() -> None:
     step = scheduled("a", 40, [])
     step.scheduled_new_reqs[0].block_ids = ([7, 8, 9], [3, 4])  # (sliding, full)
     assert ledger.plan(step).snapshots == {"a": [3, 4]}
+
+
+def test_recorder_leaves_out_unmapped_and_skipped_tokens_without_filtering() -> None:
+    recorder, layers = recorder_with_layers()
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]])
+    # Slot -1: a token with no KV slot; slot 9 is re-written KV already in its block's row.
+    recorder.begin_step(StepPlan(num_tokens=4, snapshots={"a": [2]}, skip_slots=[9]))
+    for layer in layers:
+        layer(ids)
+    report = recorder.end_step(slots=torch.tensor([8, -1, 9, 10]))
+    assert report is not None
+    expected = np.bincount(ids[[0, 3]].flatten().numpy(), minlength=4)
+    np.testing.assert_array_equal(report.signatures["a"], np.stack([expected, expected]))
+    # Block 2 reallocated (slot 8 written again): its row starts over.
+    recorder.begin_step(StepPlan(num_tokens=1, snapshots={"b": [2]}))
+    for layer in layers:
+        layer(ids[:1])
+    report = recorder.end_step(slots=torch.tensor([8]))
+    assert report is not None
+    np.testing.assert_array_equal(report.signatures["b"][0], [1, 1, 0, 0])

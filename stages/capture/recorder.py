@@ -94,6 +94,9 @@ class SignatureRecorder:
     # ones of the worker (a hook missing from the graph shows at once), then a sample.
     CHECK_FIRST_STEPS = 32
     CHECK_EVERY = 64
+    # On GPUs, decode-step statistics (distinct experts, step time) cost a host read-back that
+    # waits for the forward: take them on every 16th decode step (they are averages).
+    GPU_STATS_EVERY = 16
 
     def __init__(
         self, num_blocks: int, block_size: int, max_tokens: int, slot_layer: str | None = None
@@ -111,6 +114,7 @@ class SignatureRecorder:
         self._plan: StepPlan | None = None
         self._step_started = 0.0
         self._steps_with_tokens = 0
+        self._decode_steps = 0
         self._checking = False
         trace_dir = os.environ.get("ELDR_TRACE_DIR")
         self._trace_dir = Path(trace_dir) if trace_dir else None
@@ -140,8 +144,10 @@ class SignatureRecorder:
         self.top_k = int(self._buffers[0].shape[1])
         # int16 holds any count: one token picks an expert at most once per layer, and a block
         # has far fewer than 32k slots.
+        # One spare row past the last block (see _account).
         self.table = torch.zeros(
-            (self.num_blocks, self.num_layers, self.num_experts), dtype=torch.int16, device=device
+            (self.num_blocks + 1, self.num_layers, self.num_experts), dtype=torch.int16,
+            device=device,
         )
         self._layer_offsets = (
             torch.arange(self.num_layers, device=device) * self.num_experts
@@ -196,7 +202,13 @@ class SignatureRecorder:
     def _account(
         self, plan: StepPlan, slots: torch.Tensor, picks: torch.Tensor, report: StepReport
     ) -> None:
-        """Add this step's picks into the table (and decode counts, decode-step stats)."""
+        """Add this step's picks into the table (and decode counts, decode-step stats).
+
+        No step here reads a device value back to the host, so on GPUs the worker never waits
+        for the forward to finish (vLLM's async scheduling keeps overlapping the next step's
+        preparation with it): tokens to leave out are sent to a spare row instead of being
+        filtered out, and decode-step statistics are read back on sampled steps only.
+        """
         assert self.table is not None
         keep = slots >= 0
         if plan.skip_slots:
@@ -204,31 +216,39 @@ class SignatureRecorder:
             # into a cached block): their picks are already in the row.
             skip = torch.tensor(plan.skip_slots, dtype=torch.int64, device=slots.device)
             keep &= ~torch.isin(slots, skip)
-        valid = torch.nonzero(keep).flatten()
-        slots = slots[valid]
-        ids = picks[:, valid]  # [L, T, k]
-        blocks = slots // self.block_size
-        fresh = blocks[(slots % self.block_size) == 0]
-        if fresh.numel():
-            self.table[fresh] = 0
+        spare = self.num_blocks  # the table's extra row: absorbs what must not be counted
+        blocks = torch.where(keep, slots // self.block_size, spare)
+        # Writing slot 0 of a block means the block was (re)allocated: reset its row first.
+        fresh = keep & (slots % self.block_size == 0)
+        self.table.index_fill_(0, torch.where(fresh, blocks, spare), 0)
         per_block = self.num_layers * self.num_experts
-        flat = (blocks.view(1, -1, 1) * per_block + self._layer_offsets + ids).flatten()
+        flat = (blocks.view(1, -1, 1) * per_block + self._layer_offsets + picks).flatten()
         self.table.view(-1).index_add_(
             0, flat, torch.ones(flat.numel(), dtype=self.table.dtype, device=flat.device)
         )
         if plan.decode_slots:
-            self._attribute_decode(plan, slots, ids, report)
-        if plan.decode_only and ids.shape[1]:
-            present = torch.zeros(
-                (self.num_layers, self.num_experts), dtype=torch.bool, device=ids.device
-            )
-            present.scatter_(1, ids.reshape(self.num_layers, -1), True)
-            if self.table.is_cuda:
-                torch.cuda.synchronize()
-            report.decode_steps = 1
-            report.active_experts = present.sum(1).cpu().numpy()
-            report.decode_seconds = time.perf_counter() - self._step_started
-            report.decode_tokens = int(ids.shape[1])
+            self._attribute_decode(plan, slots, picks, report)
+        if plan.decode_only:
+            self._decode_steps += 1
+            if not self.table.is_cuda or self._decode_steps % self.GPU_STATS_EVERY == 0:
+                self._decode_stats(keep, picks, report)
+
+    def _decode_stats(self, keep: torch.Tensor, picks: torch.Tensor, report: StepReport) -> None:
+        """Distinct experts per layer and the time of this decode step (a host read-back)."""
+        # Left-out tokens pick the spare column E, dropped before counting.
+        ids = torch.where(keep.view(1, -1, 1), picks, self.num_experts)
+        present = torch.zeros(
+            (self.num_layers, self.num_experts + 1), dtype=torch.bool, device=ids.device
+        )
+        present.scatter_(1, ids.reshape(self.num_layers, -1), True)
+        active = present[:, : self.num_experts].sum(1).cpu().numpy()
+        tokens = int(keep.sum())
+        if tokens == 0:
+            return
+        report.decode_steps = 1
+        report.active_experts = active
+        report.decode_seconds = time.perf_counter() - self._step_started
+        report.decode_tokens = tokens
 
     def _attribute_decode(
         self, plan: StepPlan, slots: torch.Tensor, ids: torch.Tensor, report: StepReport
