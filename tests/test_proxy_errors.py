@@ -59,7 +59,7 @@ def load_fake_artifact(root: Path, version: str):
         raise EldrError(f"no artifact {version} in {root}")
     if version == "boom":
         raise RuntimeError("the disk caught fire")  # nothing the proxy expects
-    return domain_artifact(3 if version == "k3" else K, version=version)
+    return domain_artifact(1 if version == "k1" else K, version=version)
 
 
 @dataclass
@@ -406,7 +406,7 @@ def test_admin_artifact_refusals(env: Proxy, payload: dict) -> None:
 
 def test_admin_artifact_that_cannot_be_used_changes_nothing(env: Proxy) -> None:
     before = env.admin_state()["artifact_version"]
-    for version in ("missing", "k3"):  # not in the store; K=3 for 2 decode workers
+    for version in ("missing", "k1"):  # not in the store; K=1 for 2 decode workers
         r = env.client.post("/admin/artifact", json={"version": version})
         assert assert_error_shape(r, 400)["param"] == "version"
         assert env.admin_state()["artifact_version"] == before
