@@ -3,6 +3,7 @@ warning, and the words that go with them."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from stages.bench.cost_model import gpu_like
 from stages.fit.artifact import ArtifactStore
+from stages.fit.batch_union import batch_union
 from stages.fit.gain import GainConfig, batch_verdict, estimate_gain, overall_verdict
 from stages.fit.gain_report import BALANCERS, CENTROID_POLICIES, gain_lines
 from stages.fit.pipeline import FitConfig, fit_artifact
@@ -111,22 +113,37 @@ def test_large_k_warns(tmp_path: Path) -> None:
     assert gain_lines(gain, k=20)[-1].startswith("verdict: cannot tell")
 
 
-def test_interval_is_over_requests_not_batches() -> None:
-    """Few held-out requests: however many batches are drawn, the interval stays wide."""
+def test_batch_union_is_the_mean_over_every_batch() -> None:
     rng = np.random.default_rng(0)
-    decode = rng.multinomial(40, rng.dirichlet(np.full(16, 0.3), size=(24, 2)))
-    logc = np.stack([inclusion_log_complement(d, top_k=2) for d in decode])
-    x = np.repeat(np.eye(2), 12, axis=0)  # two clusters of 12, labels unrelated to decode
+    logc = np.log1p(-0.9 * rng.random((9, 12)))  # 9 requests, L*E = 12, 3 layers
+    unions = batch_union(logc, (1, 3, 4, 9), num_layers=3)
+    for size, union in unions.items():
+        value = {
+            batch: float(-np.expm1(logc[list(batch)].sum(axis=0)).sum() / 3)
+            for batch in itertools.combinations(range(9), size)
+        }
+        assert union.num_batches == len(value)
+        assert union.mean == pytest.approx(np.mean(list(value.values())), abs=1e-12)
+        for r in range(9):
+            held = [v for batch, v in value.items() if r in batch]
+            assert union.projection[r] == pytest.approx(np.mean(held), abs=1e-12)
+
+
+def test_interval_narrows_with_more_held_out_requests() -> None:
+    """The uncertainty is which requests were held out: four times as many, a far narrower
+    interval (with no locality, by about four: the paired difference has no first-order term)."""
     widths = []
-    for num_batches in (1000, 8000):
-        gain = estimate_gain(
-            x, np.eye(2), logc, 2, GainConfig(batch_sizes=(4,), num_batches=num_batches),
-            np.random.default_rng(1),
-        )
+    for n in (200, 800):
+        rng = np.random.default_rng(n)
+        decode = rng.multinomial(40, rng.dirichlet(np.full(16, 0.3), size=(n, 2)))
+        logc = np.stack([inclusion_log_complement(d, top_k=2) for d in decode])
+        x = np.repeat(np.eye(2), n // 2, axis=0)  # two clusters, unrelated to decode
+        gain = estimate_gain(x, np.eye(2), logc, 2, GainConfig(batch_sizes=(8,)),
+                             np.random.default_rng(1))
         [row] = gain["batches"]
-        widths.append(row["change_ci"][1] - row["change_ci"][0])
         assert row["change_ci"][0] < 0 < row["change_ci"][1]
-    assert widths[1] > 0.5 * widths[0]
+        widths.append(row["change_ci"][1] - row["change_ci"][0])
+    assert widths[1] < 0.5 * widths[0]
 
 
 @pytest.mark.parametrize(

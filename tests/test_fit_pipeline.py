@@ -97,13 +97,13 @@ def test_distinct_experts_per_layer() -> None:
 
 def test_expected_step_experts_matches_sampling() -> None:
     """The closed form equals a Monte Carlo of requests drawing their top-k picks."""
-    from stages.fit.gain import step_experts_per_layer
+    from stages.fit.batch_union import batch_union
     from stages.signature.inclusion import inclusion_log_complement
 
     rng = np.random.default_rng(3)
     decode = rng.multinomial(32, rng.dirichlet(np.full(16, 0.3), size=(4, 2)))  # [B=4, L=2, E]
     logc = np.stack([inclusion_log_complement(d, top_k=1) for d in decode])
-    [expected] = step_experts_per_layer(logc, np.arange(4)[None], num_layers=2)
+    expected = batch_union(logc, (4,), num_layers=2)[4].mean  # the one batch of all four
     draws = []
     for _ in range(4000):
         active = np.zeros((2, 16), bool)

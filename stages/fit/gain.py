@@ -1,23 +1,25 @@
 """What routing by centroid should buy per decode step, estimated on held-out requests.
 
-Held-out requests go to their nearest centroid, as ELDR routes them. For each decode batch
-size B, batches of B requests of one cluster (what an ELDR decode worker runs) are compared
-with batches of B requests drawn from the same requests regardless of cluster (what a load
+Held-out requests go to their nearest centroid, as ELDR routes them (tau = 0, no load). For
+each decode batch size B, batches of B requests of one cluster (what an ELDR decode worker
+runs) are compared with batches of B of the same requests regardless of cluster (what a load
 balancer gives), by the expected distinct experts per layer of one decode step, from the
 requests' decode profiles (``stages.signature.inclusion``): decode step time follows that
-count, a whole decode's union of experts does not (it saturates as answers grow). A step-time
-model turns both counts into step times, hence the TPOT change at that batch size.
+count, a whole decode's union of experts does not (it saturates as answers grow). Each arm is
+the exact mean over every possible batch (``stages.fit.batch_union``), so the estimate carries
+no batch-sampling noise. A step-time model turns both counts into step times, hence the TPOT
+change at that batch size. Load balancing moves some requests off their nearest centroid, so
+``eldr`` and ``eldr-bl`` get somewhat less than this.
 
-The interval comes from a Poisson bootstrap over held-out requests. The batches are drawn from
-a few hundred requests, so which requests were held out matters far more than which batches
-were drawn; a bootstrap over batches would give a narrow interval around noise. Re-drawing the
-batches for every resample would cost resamples x batches x B x L x E, so each resample
-reweights the batches already drawn instead, to first order: a request's resampling weight
-moves the estimate by its influence, the mean over the batches that contain it minus the
-overall mean (the Hoeffding projection of the batch statistic), scaled by (m-1)/(m-B), which
-makes it exact for a statistic additive over members (drawn from only m members, a batch of B
-shares the others; the scaling undoes that shrinkage). Both arms use the same weights, so the
-interval of their difference is paired.
+The interval comes from a Poisson bootstrap over held-out requests: with a few hundred of them,
+which requests were held out is the whole uncertainty. Re-computing both arms for every
+resample would cost resamples x m x B x L x E, so each resample moves an arm's mean by its
+requests' weights times their influence, to first order: B/m times (the mean over the batches
+that contain the request minus the arm's mean), the Hoeffding projection of the batch
+statistic, scaled by (m-1)/(m-B), which makes it exact for a statistic additive over members
+(from only m members, the batches that hold a request share the others; the scaling undoes
+that shrinkage). Both arms see the same weights, so the interval of their difference is
+paired.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import scipy.sparse as sp
+
+from stages.errors import EldrError
+from stages.fit.batch_union import batch_union
 
 # A batch size is estimated from the clusters with at least this many times B held-out
 # requests: fewer and a cluster's batches are nearly one set of requests.
@@ -37,10 +41,6 @@ MIN_COVERAGE = 0.5
 # A TPOT gain below this is not worth ELDR's tail risk: with no locality, centroid routing
 # costs up to 11-15% of p99 TPOT against the best load balancer (issue 10's control).
 MIN_TPOT_GAIN = 0.01
-# Batch values are computed this many batches at a time ([block, L*E] float64 temporaries).
-_BATCH_BLOCK = 256
-# Random keys drawn at a time when picking batch members ([block, m] float64).
-_KEYS_PER_BLOCK = 1 << 20
 # Bootstrap resamples drawn at a time ([block, n] weights).
 _RESAMPLE_BLOCK = 256
 
@@ -57,42 +57,26 @@ class StepTimeModel(Protocol):
 @dataclass(frozen=True)
 class GainConfig:
     batch_sizes: tuple[int, ...] = (4, 8, 16, 32)
-    num_batches: int = 1000  # per batch size and per arm (same-cluster, random)
+    min_batches: int = 1000  # distinct batches each arm must average over
     num_resamples: int = 2000
     confidence: float = 0.95
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"batch sizes must be positive, got {self.batch_sizes}")
-        if self.num_batches < 1 or self.num_resamples < 1:
-            raise ValueError("num_batches and num_resamples must be positive")
+            raise EldrError(f"batch sizes must be positive, got {self.batch_sizes}")
+        if self.min_batches < 1 or self.num_resamples < 1:
+            raise EldrError("min_batches and num_resamples must be positive")
         if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence must be in (0, 1), got {self.confidence}")
+            raise EldrError(f"confidence must be in (0, 1), got {self.confidence}")
 
 
 @dataclass(frozen=True)
 class _Arm:
-    """One arm at one batch size: its estimate and each request's influence on it."""
+    """One arm (a cluster, or the random pool) at one batch size."""
 
-    mean: float  # expected distinct experts per layer per step
-    batches: int
+    mean: float  # expected distinct experts per layer per step, over every batch
+    batches: float  # how many distinct batches that is
     influence: np.ndarray  # [n] per held-out request (zero outside the arm's requests)
-
-
-def step_experts_per_layer(
-    log_complement: np.ndarray, batches: np.ndarray, num_layers: int
-) -> np.ndarray:
-    """Expected distinct experts per layer in one decode step of each batch.
-
-    ``log_complement``: ``[m, L*E]`` per-request ``log(1 - pi)``; ``batches``: ``[count, B]``
-    row indices. Expert (l, e) is active in a step with probability ``1 - prod_r (1 - pi_r)``.
-    """
-    count, batch = batches.shape
-    pick = sp.csr_matrix(
-        (np.ones(batches.size), batches.ravel(), np.arange(0, batches.size + 1, batch)),
-        shape=(count, len(log_complement)),
-    )
-    return -np.expm1(pick @ log_complement).sum(axis=1) / num_layers
 
 
 def estimate_gain(
@@ -113,24 +97,31 @@ def estimate_gain(
     n = len(x)
     labels = (x @ centroids.T).argmax(axis=1) if n else np.zeros(0, np.int64)
     sizes = np.bincount(labels, minlength=len(centroids))
-    weights = _poisson_weights(rng, config.num_resamples, n)
+    batch_sizes = sorted(set(config.batch_sizes))
+    eligible = {b: np.flatnonzero(sizes >= MEMBERS_PER_SLOT * b) for b in batch_sizes}
+    estimable = [b for b in batch_sizes if sizes[eligible[b]].sum() >= max(1, MIN_COVERAGE * n)]
+    clusters = _cluster_arms(labels, eligible, estimable, log_complement, num_layers)
+    pools = _pool_arms(labels, eligible, estimable, log_complement, num_layers)
     alpha = (1.0 - config.confidence) / 2
     rows = []
-    for batch in sorted(set(config.batch_sizes)):
-        eligible = np.flatnonzero(sizes >= MEMBERS_PER_SLOT * batch)
-        covered = int(sizes[eligible].sum())
-        if covered < MIN_COVERAGE * n or covered == 0:
-            rows.append({
-                "batch_size": batch,
-                "skipped": (
-                    f"clusters with at least {MEMBERS_PER_SLOT * batch} held-out requests hold"
-                    f" {covered} of {n}"
-                ),
-            })
+    for batch in batch_sizes:
+        covered = int(sizes[eligible[batch]].sum())
+        skip = None
+        if batch not in estimable:
+            skip = (
+                f"clusters with at least {MEMBERS_PER_SLOT * batch} held-out requests hold"
+                f" {covered} of {n}"
+            )
+        elif min(pools[batch].batches, sum(a.batches for a in clusters[batch])) < (
+            config.min_batches
+        ):
+            skip = f"fewer than {config.min_batches} distinct batches of {batch}"
+        if skip is not None:
+            rows.append({"batch_size": batch, "skipped": skip})
             continue
-        rows.append(_estimate_at(
-            batch, labels, eligible, sizes, log_complement, num_layers, config, rng, weights,
-            alpha, cost,
+        rows.append(_compare(
+            batch, labels, eligible[batch], clusters[batch], pools[batch], config, rng, alpha,
+            cost,
         ))
     return {
         "num_holdout": n,
@@ -143,97 +134,101 @@ def estimate_gain(
     }
 
 
-def _estimate_at(
+def _cluster_arms(
+    labels: np.ndarray,
+    eligible: dict[int, np.ndarray],
+    estimable: list[int],
+    log_complement: np.ndarray,
+    num_layers: int,
+) -> dict[int, list[_Arm]]:
+    """Each cluster's arms at the batch sizes it takes part in (one pass per cluster)."""
+    arms: dict[int, list[_Arm]] = {b: [] for b in estimable}
+    for c in sorted({int(c) for b in estimable for c in eligible[b]}):
+        sizes = tuple(b for b in estimable if c in eligible[b])
+        members = np.flatnonzero(labels == c)
+        for b, arm in _arms(members, sizes, log_complement, num_layers).items():
+            arms[b].append(arm)
+    return arms
+
+
+def _pool_arms(
+    labels: np.ndarray,
+    eligible: dict[int, np.ndarray],
+    estimable: list[int],
+    log_complement: np.ndarray,
+    num_layers: int,
+) -> dict[int, _Arm]:
+    """The random arm at each batch size: all requests of the eligible clusters (batch sizes
+    with the same eligible clusters share one pass)."""
+    by_pool: dict[tuple[int, ...], list[int]] = {}
+    for b in estimable:
+        by_pool.setdefault(tuple(eligible[b].tolist()), []).append(b)
+    arms: dict[int, _Arm] = {}
+    for clusters, sizes in by_pool.items():
+        members = np.flatnonzero(np.isin(labels, clusters))
+        arms |= _arms(members, tuple(sizes), log_complement, num_layers)
+    return arms
+
+
+def _arms(
+    members: np.ndarray, sizes: tuple[int, ...], log_complement: np.ndarray, num_layers: int
+) -> dict[int, _Arm]:
+    m = len(members)
+    out = {}
+    for b, union in batch_union(log_complement[members], sizes, num_layers).items():
+        influence = np.zeros(len(log_complement))
+        influence[members] = (b / m) * (m - 1) / (m - b) * (union.projection - union.mean)
+        out[b] = _Arm(mean=union.mean, batches=union.num_batches, influence=influence)
+    return out
+
+
+def _compare(
     batch: int,
     labels: np.ndarray,
     eligible: np.ndarray,
-    sizes: np.ndarray,
-    log_complement: np.ndarray,
-    num_layers: int,
+    clusters: list[_Arm],
+    random: _Arm,
     config: GainConfig,
     rng: np.random.Generator,
-    weights: np.ndarray,
     alpha: float,
     cost: StepTimeModel | None,
 ) -> dict[str, Any]:
-    pool = np.flatnonzero(np.isin(labels, eligible))
-    share = sizes[eligible] / sizes[eligible].sum()
-    # Stratified: each cluster gets batches in proportion to its held-out traffic (at least
-    # one), the same share its decode worker's steps have.
-    clusters = [
-        _arm(np.flatnonzero(labels == c), batch, max(1, round(config.num_batches * s)),
-             log_complement, num_layers, rng)
-        for c, s in zip(eligible, share, strict=True)
-    ]
-    random = _arm(pool, batch, config.num_batches, log_complement, num_layers, rng)
-    same_mean = float(share @ [a.mean for a in clusters])
-
-    # Resampled estimates: the same arm's cluster shares follow the resampled cluster sizes.
-    same_star = np.empty(len(weights))
-    random_star = np.empty(len(weights))
-    for a in range(0, len(weights), _RESAMPLE_BLOCK):
-        w = weights[a : a + _RESAMPLE_BLOCK]
-        mass = np.stack([w[:, labels == c].sum(axis=1) for c in eligible], axis=1)  # [r, C]
+    """Same-cluster (clusters weighted by their held-out traffic, the share of steps their
+    decode workers run) against random, with resampled intervals."""
+    members = [labels == c for c in eligible]
+    share = np.array([m.sum() for m in members], dtype=np.float64)
+    same_mean = float(share @ [a.mean for a in clusters] / share.sum())
+    # Resampled estimates: the cluster shares follow the resampled cluster sizes; both arms
+    # see the same request weights.
+    resamples = config.num_resamples
+    same_star = np.empty(resamples)
+    random_star = np.empty(resamples)
+    for a in range(0, resamples, _RESAMPLE_BLOCK):
+        size = min(_RESAMPLE_BLOCK, resamples - a)
+        w = rng.poisson(1.0, size=(size, len(labels))).astype(np.float64)
+        mass = np.stack([w[:, m].sum(axis=1) for m in members], axis=1)  # [r, C]
         means = np.stack([arm.mean + (w - 1.0) @ arm.influence for arm in clusters], axis=1)
-        same_star[a : a + len(w)] = (mass * means).sum(axis=1) / mass.sum(axis=1)
-        random_star[a : a + len(w)] = random.mean + (w - 1.0) @ random.influence
-    change_star = same_star / random_star - 1.0
-    change = same_mean / random.mean - 1.0
+        same_star[a : a + size] = (mass * means).sum(axis=1) / mass.sum(axis=1)
+        random_star[a : a + size] = random.mean + (w - 1.0) @ random.influence
     row: dict[str, Any] = {
         "batch_size": batch,
         "clusters": len(eligible),
-        "requests": len(pool),
+        "requests": int(share.sum()),
         "same_cluster_batches": sum(arm.batches for arm in clusters),
         "random_batches": random.batches,
         "same_cluster_distinct_experts_per_layer": same_mean,
         "random_distinct_experts_per_layer": random.mean,
-        "change": change,
-        "change_ci": _interval(change_star, alpha),
+        "change": same_mean / random.mean - 1.0,
+        "change_ci": _interval(same_star / random_star - 1.0, alpha),
     }
     tpot = None
     if cost is not None:
+        point = _step_ratio(cost, batch, np.array([same_mean]), np.array([random.mean]))
+        tpot = float(point[0]) - 1.0
         tpot_star = _step_ratio(cost, batch, same_star, random_star) - 1.0
-        tpot = float(_step_ratio(cost, batch, np.array([same_mean]), np.array([random.mean]))[0])
-        tpot -= 1.0
         row |= {"tpot_change": tpot, "tpot_change_ci": _interval(tpot_star, alpha)}
     row["verdict"] = batch_verdict(row["change_ci"], tpot)
     return row
-
-
-def _arm(
-    members: np.ndarray,
-    batch: int,
-    count: int,
-    log_complement: np.ndarray,
-    num_layers: int,
-    rng: np.random.Generator,
-) -> _Arm:
-    """``count`` batches of ``batch`` distinct requests drawn uniformly from ``members``."""
-    m = len(members)
-    rows = log_complement[members]
-    values = np.empty(count)
-    sums = np.zeros(m)
-    hits = np.zeros(m)
-    block = max(1, min(_BATCH_BLOCK, _KEYS_PER_BLOCK // m))
-    for a in range(0, count, block):
-        size = min(block, count - a)
-        # Distinct members per batch: the smallest of per-batch random keys.
-        drawn = np.argpartition(rng.random((size, m)), batch - 1, axis=1)[:, :batch]
-        values[a : a + size] = step_experts_per_layer(rows, drawn, num_layers)
-        part = drawn.ravel()
-        sums += np.bincount(part, weights=np.repeat(values[a : a + size], batch), minlength=m)
-        hits += np.bincount(part, minlength=m)
-    mean = float(values.mean())
-    # Centred on the arm's own mean, so the influences sum to zero (no drift from which
-    # requests happened to be drawn more often).
-    local_influence = (sums - hits * mean) / count * ((m - 1) / (m - batch))
-    influence = np.zeros(len(log_complement))
-    influence[members] = local_influence
-    return _Arm(mean=mean, batches=count, influence=influence)
-
-
-def _poisson_weights(rng: np.random.Generator, resamples: int, n: int) -> np.ndarray:
-    return rng.poisson(1.0, size=(resamples, n)).astype(np.float64)
 
 
 def _step_ratio(

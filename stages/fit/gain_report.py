@@ -21,12 +21,13 @@ def gain_lines(gain: dict[str, Any], k: int) -> list[str]:
     level = round(100 * gain["confidence"])
     lines = [
         f"expected per-step gain of routing by centroid (k={k}), on {gain['num_holdout']}"
-        f" held-out requests' decode profiles; {level}% intervals from a bootstrap over those"
-        f" requests ({gain['num_resamples']} resamples)",
+        f" held-out requests' decode profiles, each arm the exact mean over every possible"
+        f" batch; {level}% intervals from a bootstrap over the requests"
+        f" ({gain['num_resamples']} resamples)",
     ]
     if any("change" in row for row in gain["batches"]):
         lines.append(
-            f"  {'batch':>5}  {'batches':>11}  {'same-cluster':>12}  {'random':>7}"
+            f"  {'batch':>5}  {'batches':>8}  {'same-cluster':>12}  {'random':>7}"
             f"  {'distinct experts/layer/step':<30}"
             + (f"  {'TPOT (' + cost + ' cost)':<28}" if cost else "")
             + "  verdict"
@@ -38,9 +39,9 @@ def gain_lines(gain: dict[str, Any], k: int) -> list[str]:
                 f" {MIN_COVERAGE:.0%})"
             )
             continue
-        batches = f"{row['same_cluster_batches']}+{row['random_batches']}"
+        batches = min(row["same_cluster_batches"], row["random_batches"])
         line = (
-            f"  {row['batch_size']:>5}  {batches:>11}"
+            f"  {row['batch_size']:>5}  {batches:>8.2g}"
             f"  {row['same_cluster_distinct_experts_per_layer']:>12.2f}"
             f"  {row['random_distinct_experts_per_layer']:>7.2f}"
             f"  {_change(row['change'], row['change_ci']):<30}"
