@@ -110,7 +110,7 @@ def estimate_gain(
         if batch not in estimable:
             skip = (
                 f"clusters with at least {MEMBERS_PER_SLOT * batch} held-out requests hold"
-                f" {covered} of {n}"
+                f" {covered} of {n} (need at least {MIN_COVERAGE:.0%})"
             )
         elif min(pools[batch].batches, sum(a.batches for a in clusters[batch])) < (
             config.min_batches
