@@ -107,7 +107,7 @@ def test_large_k_warns(tmp_path: Path) -> None:
     artifact = fit_artifact(prefill, decode, IDENTITY, "e" * 64, config, ArtifactStore(tmp_path))
     [warning] = artifact.metrics["warnings"]
     assert "k=20 is large for 32 training signatures: 1.6 per cluster" in warning
-    assert "capture at least 400 signatures" in warning and "k<=1" in warning
+    assert "capture at least 500 signatures" in warning and "k<=1" in warning
     gain = artifact.metrics["expected_gain"]
     assert gain["verdict"] == "unknown" and gain["cost_model"] is None
     assert gain_lines(gain, k=20)[-1].startswith("verdict: cannot tell")

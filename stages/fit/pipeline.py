@@ -10,6 +10,7 @@ decode step). Per decode step, with an interval and the TPOT change it predicts,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -112,7 +113,9 @@ def fit_artifact(
             x_held, km.centroids, step_profiles, identity.num_layers, config.gain,
             np.random.default_rng(config.seed + 2), cost,
         ),
-        "warnings": fit_warnings(len(train), config.k, km.objective / len(train)),
+        "warnings": fit_warnings(
+            len(train), config.k, km.objective / len(train), config.holdout_fraction
+        ),
     }
     params = {
         **asdict(config),
@@ -139,12 +142,15 @@ def split_requests(n: int, holdout_fraction: float, seed: int) -> tuple[np.ndarr
     return np.sort(order[n_held:]), np.sort(order[:n_held])
 
 
-def fit_warnings(num_train: int, k: int, mean_cosine: float) -> list[str]:
+def fit_warnings(
+    num_train: int, k: int, mean_cosine: float, holdout_fraction: float
+) -> list[str]:
     """What the user should know before trusting this fit."""
     per_cluster = num_train / k
     if per_cluster >= MIN_SIGNATURES_PER_CLUSTER:
         return []
-    enough = MIN_SIGNATURES_PER_CLUSTER * k
+    # Signatures to capture so the training split alone has enough per cluster.
+    enough = math.ceil(MIN_SIGNATURES_PER_CLUSTER * k / (1.0 - holdout_fraction))
     fewer_k = max(1, num_train // MIN_SIGNATURES_PER_CLUSTER)
     return [
         f"k={k} is large for {num_train} training signatures: {per_cluster:.1f} per cluster"
