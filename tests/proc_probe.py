@@ -1,0 +1,92 @@
+"""What the real-vLLM tests look at from outside: processes eldr started and their sockets."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.procs import linux
+
+_LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
+_UNCONNECTED = "07"  # UDP sockets bound but not connected
+
+
+@dataclass(frozen=True)
+class Listener:
+    pid: int
+    command: str
+    proto: str
+    address: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        return ipaddress.ip_address(self.address).is_loopback
+
+
+def alive(pid: int) -> bool:
+    info = linux.read_info(pid)
+    return info is not None and not info.zombie
+
+
+def tree(pid: int) -> set[int]:
+    return {info.pid for info in linux.descendants(pid) if not info.zombie}
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = {p for p in pids if alive(p)}
+        if not left:
+            return set()
+        time.sleep(0.2)
+    return {p for p in pids if alive(p)}
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _address(hex_address: str, v6: bool) -> str:
+    raw = bytes.fromhex(hex_address)
+    if not v6:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    # Four 32-bit words, each in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    return str(ipaddress.IPv6Address(words))
+
+
+def listeners(pids: set[int]) -> list[Listener]:
+    """TCP listening and unconnected UDP sockets held by ``pids``."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for proto, state in (("tcp", _LISTEN), ("tcp6", _LISTEN), ("udp", _UNCONNECTED),
+                         ("udp6", _UNCONNECTED)):
+        lines = Path(f"/proc/net/{proto}").read_text().splitlines()[1:]
+        for line in lines:
+            fields = line.split()
+            local, st, inode = fields[1], fields[3], fields[9]
+            if st != state or inode not in owner:
+                continue
+            address, port = local.split(":")
+            pid = owner[inode]
+            found.append(Listener(pid, command(pid)[:80], proto, _address(address, "6" in proto),
+                                  int(port, 16)))
+    return found
