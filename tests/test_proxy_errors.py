@@ -17,7 +17,7 @@ Where each expected status comes from in vLLM (paths under vllm/entrypoints/ and
            bool -> RequestValidationError -> 400.
   [sampl]  sampling_params.py: max_tokens < 1 -> VLLMValidationError -> 400 (0 is allowed
            there with echo, so the proxy refuses only negatives); n outside 1..16384
-           (VLLM_MAX_N_SEQUENCES) -> 400.
+           (VLLM_MAX_N_SEQUENCES), or n > 1 with greedy sampling (temperature < 1e-5) -> 400.
   [legs]   the request models' mode="before" validators that only the decode leg's body can
            break (stream_options or prompt_logprobs without/with stream, logprob_token_ids with
            echo and max_tokens 0): the proxy refuses them first, or the prefill's KV blocks
@@ -246,6 +246,8 @@ CASES = [
     body("n-fraction", 400, {"prompt": "x", "n": 1.5}),
     body("n-over-vllm-max", 400, {"prompt": "x", "n": 16385}),
     body("chat-n-zero", 400, {**OK_CHAT, "n": 0}, CHAT),
+    body("n-greedy", 400, {"prompt": "x", "n": 2, "temperature": 0}),
+    body("chat-n-greedy-text", 400, {**OK_CHAT, "n": 3, "temperature": "0.0"}, CHAT),
     body("beam-search-null", 400, {"prompt": "x", "use_beam_search": None}),
     body("beam-search-word", 400, {"prompt": "x", "use_beam_search": "maybe"}),
     # [legs]

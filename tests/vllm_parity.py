@@ -29,14 +29,16 @@ _PROMPTS = [
 BATCHES: dict[str, tuple[str, dict[str, Any]]] = {
     "prompts": (CMPL, {**GREEDY, "prompt": _PROMPTS}),
     "token-ids": (CMPL, {**GREEDY, "prompt": [[1, 5, 9, 13, 17, 21], [100, 200, 300]]}),
-    "prompts-n2": (CMPL, {**GREEDY, "prompt": _PROMPTS[:2], "n": 2}),
+    # n > 1 wants sampling (vLLM refuses it greedy); seeded, choice i samples with seed + i.
+    "prompts-n2": (CMPL, {**GREEDY, "prompt": _PROMPTS[:2], "n": 2, "temperature": 0.7,
+                          "seed": 7}),
     "seeded-n3": (CMPL, {**GREEDY, "prompt": _PROMPTS[1], "n": 3, "temperature": 0.8,
                          "seed": 1234}),
     "echo": (CMPL, {**GREEDY, "prompt": _PROMPTS[1:], "echo": True}),
     # Not a batch: vLLM 0.32 ignores best_of (an unknown field), and so does the proxy.
     "best-of-ignored": (CMPL, {**GREEDY, "prompt": _PROMPTS[0], "best_of": 3}),
     "chat-n2": (CHAT, {**GREEDY, "messages": [{"role": "user", "content": _PROMPTS[2]}],
-                       "n": 2}),
+                       "n": 2, "temperature": 0.9, "seed": 99}),
 }
 
 
@@ -109,6 +111,7 @@ MORE_CASES = [
     body("chat-top-logprobs-without-logprobs", 400,
          {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, CHAT),
     # accepted by both: lenient values and bodies only the stdlib's JSON reads
+    body("greedy-n2", 400, {**_SHORT, "prompt": ["a", "b"], "n": 2, "temperature": 0}),
     body("batch-with-empty-string", 200, {**_SHORT, "prompt": ["a", ""]}),
     body("stream-word-false", 200, {**_SHORT, "stream": "false"}),
     body("n-as-text", 200, {**_SHORT, "n": "2"}),

@@ -29,6 +29,8 @@ _INT_FLOAT_LIMIT = 2.0**63
 _UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
 # vLLM's default VLLM_MAX_N_SEQUENCES: SamplingParams refuses a larger n.
 MAX_N = 16384
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy sampling.
+_SAMPLING_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -251,11 +253,28 @@ def check_request_body(body: dict[str, Any], chat: bool) -> RequestFields:
     if body.get("use_beam_search", False) is None:
         # bool, not bool | None, in both request models
         raise bad_request('"use_beam_search" must be a boolean', "use_beam_search")
-    return RequestFields(
+    fields = RequestFields(
         stream=bool(body.get("stream", False)),
         n=_read_n(body, chat),
         beam_search=_read_bool(body, "use_beam_search"),
     )
+    if fields.n > 1 and not fields.beam_search and _is_greedy(body.get("temperature")):
+        # SamplingParams._verify_greedy_sampling; the split's sub-requests (n = 1 each) would
+        # pass it, so the proxy says it.
+        raise bad_request(f"n must be 1 when using greedy sampling, got {fields.n}.")
+    return fields
+
+
+def _is_greedy(temperature: object) -> bool:
+    """``temperature`` below vLLM's sampling epsilon. Unset is the server's default, 1.0 unless
+    the model's generation config says otherwise (which the proxy cannot see); a value that
+    is no number the workers refuse themselves."""
+    if isinstance(temperature, str):
+        try:
+            temperature = float(temperature)
+        except ValueError:
+            return False
+    return isinstance(temperature, int | float) and temperature < _SAMPLING_EPS
 
 
 async def _read_json_object(request: Request, limit: int) -> JsonBody:
