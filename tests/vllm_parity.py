@@ -118,7 +118,7 @@ MORE_CASES = [
     raw("utf8-bom", 200, b"\xef\xbb\xbf" + orjson.dumps(_SHORT)),
     raw("utf16", 200, json.dumps(_SHORT).encode("utf-16")),
     raw("lone-surrogate", 200, b'{"prompt": "x", "max_tokens": 2, "user": "\\ud800"}'),
-    raw("nan-temperature", 0, b'{"prompt": "x", "max_tokens": 2, "temperature": NaN}'),
+    raw("nan-temperature", 400, b'{"prompt": "x", "max_tokens": 2, "temperature": NaN}'),
     Case("chunked-valid", 200, content=lambda: iter([b'{"prompt": "x",', b'"max_tokens": 2}']),
          headers=dict(JSON)),
 ]
