@@ -17,7 +17,9 @@ from stages.serve.policies import (
     make_policy,
     needs_centroids,
 )
+from stages.serve.policies.eldr_union import fast_inclusion
 from stages.signature import wire
+from stages.signature.inclusion import inclusion_probabilities
 from tests.fakes.artifact import domain_artifact
 
 LAYERS, EXPERTS, TOP_K = 2, 8, 2
@@ -113,6 +115,38 @@ def test_prefers_the_worker_whose_experts_overlap() -> None:
     for i in range(28):
         dispatch(p, 0, A, f"more{i}", [2 + i, 1])
     assert p.choose(req([30, 1], A)) == 1
+
+
+def test_load_bound_caps_what_overlap_may_buy() -> None:
+    p = policy(workers=3, load_slack=0.25)
+    for i in range(8):
+        dispatch(p, 0, A, f"a{i}", [i, 0, 0])
+    dispatch(p, 1, B, "b", [8, 0, 0])
+    dispatch(p, 2, B, "b2", [8, 1, 0])
+    # Mean 10/3: at most max(1, floor(0.25 * mean)) = 1 more than the least loaded.
+    assert p.choose(req([8, 1, 1], A)) in (1, 2)
+    # With the bound off, the overlap wins.
+    free = policy(workers=3, load_slack=100.0)
+    for i in range(8):
+        dispatch(free, 0, A, f"a{i}", [i, 0, 0])
+    dispatch(free, 1, B, "b", [8, 0, 0])
+    dispatch(free, 2, B, "b2", [8, 1, 0])
+    assert free.choose(req([8, 1, 1], A)) == 0
+    with pytest.raises(EldrError, match="load slack"):
+        UnionParams(load_slack=-1.0)
+
+
+def test_prediction_is_the_shared_inclusion_form() -> None:
+    rng = np.random.default_rng(1)
+    counts = rng.integers(0, 30, size=(LAYERS, EXPERTS)).astype(np.int32)
+    counts[1] = 0  # a layer without counts: uniform k/E
+    expected = inclusion_probabilities(counts, TOP_K).ravel()
+    np.testing.assert_allclose(fast_inclusion(counts, TOP_K), expected, rtol=1e-6)
+    counts[1, 0] = 5
+    np.testing.assert_allclose(
+        fast_inclusion(counts, TOP_K), inclusion_probabilities(counts, TOP_K).ravel(), rtol=1e-6
+    )
+    assert np.isfinite(np.log1p(-fast_inclusion(peaked((0, 1)), TOP_K))).all()
 
 
 def test_spreads_when_nothing_overlaps() -> None:

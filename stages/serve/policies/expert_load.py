@@ -43,7 +43,7 @@ class WorkerExpertLoad:
 
     def added_distinct(self, pi: np.ndarray) -> np.ndarray:
         """Per worker, the expected distinct experts a request with flattened ``pi`` adds."""
-        return self._miss @ pi.astype(np.float32, copy=False)
+        return self._miss @ pi
 
     def _refresh(self, worker: int) -> None:
         miss = np.exp(self._log_miss[worker])
