@@ -18,6 +18,7 @@ from stages.serve.policies import (
     needs_centroids,
 )
 from stages.serve.policies.eldr_union import fast_inclusion
+from stages.serve.policies.expert_load import WorkerExpertLoad
 from stages.signature import wire
 from stages.signature.inclusion import inclusion_probabilities
 from tests.fakes.artifact import domain_artifact
@@ -242,3 +243,31 @@ def test_decode_router_without_artifact_routes_by_load() -> None:
     f = router.features(wire.encode(a))
     assert f.counts is not None  # decoded; top-k unknown, so the policy reads load only
     assert router.choose(f, np.array([2, 0, 1]), np.ones(3, bool)).worker == 1
+
+
+def test_worker_unions_match_the_closed_form_through_joins_and_leaves() -> None:
+    rng = np.random.default_rng(2)
+    size = LAYERS * EXPERTS
+    load = WorkerExpertLoad(2, size)
+    members: dict[int, tuple[int, np.ndarray]] = {}
+    for key in range(300):
+        if members and rng.random() < 0.45:
+            done = int(rng.choice(list(members)))
+            worker, pi = members.pop(done)
+            load.remove(worker, pi)
+        else:
+            worker = int(rng.integers(2))
+            pi = fast_inclusion(rng.integers(0, 9, size=(LAYERS, EXPERTS)), TOP_K)
+            load.add(worker, pi)
+            members[key] = (worker, pi)
+        for w in range(2):
+            pis = [pi for (home, pi) in members.values() if home == w]
+            miss = np.prod([1.0 - p.astype(np.float64) for p in pis] or [np.ones(size)], axis=0)
+            assert load.distinct[w] == pytest.approx(size - np.sum(miss), rel=1e-5, abs=1e-5)
+    # A miss product that underflows ("surely active") is rebuilt exactly at a completion.
+    sure = fast_inclusion(peaked((0, 1)), TOP_K)
+    for _ in range(60):
+        load.add(0, sure)
+    for _ in range(59):
+        load.remove(0, sure)
+    assert load.added_distinct(sure)[0] == pytest.approx(float((1.0 - sure) @ sure), abs=1e-6)

@@ -174,16 +174,15 @@ class EldrUnionPolicy(DecodePolicy):
         if pi is None:
             return  # counted by the proxy's loads only
         assert self._load is not None
-        log_complement = np.log1p(-pi)
-        self._load.add(worker, log_complement)
-        self._members[key] = (worker, log_complement)
+        self._load.add(worker, pi)
+        self._members[key] = (worker, pi)
 
     def on_complete(self, worker: int, key: Hashable) -> None:
         entry = self._members.pop(key, None)
         if entry is None:
             return  # no signature, or dispatched before this policy was installed
-        home, log_complement = entry
+        home, pi = entry
         if home != worker:
             raise EldrError(f"request {key!r} completed on worker {worker}, sent to {home}")
         assert self._load is not None
-        self._load.remove(home, log_complement)
+        self._load.remove(home, pi)

@@ -4,8 +4,14 @@ Each in-flight request contributes its predicted per-step inclusion probabilitie
 (``stages.signature.inclusion``, from its prefill counts) as ``log(1 - pi)``; a worker keeps
 their sum ``S``, so ``q = exp(S)`` is the chance an expert is missed by all its requests, and a
 step is expected to activate ``sum(1 - q)`` distinct experts (the simulator's Poisson-binomial
-union). A request joining adds ``q @ pi`` of them. Dispatch and completion touch one worker's
-row (O(L x E)); a question about every worker is one matrix-vector product.
+union). A request joining adds ``q @ pi`` of them. A question about every worker is one
+matrix-vector product.
+
+Dispatch is on the routing path, completion is not: a dispatch only multiplies the worker's
+``q`` by ``1 - pi`` and queues ``pi``; the logs and the exact ``q = exp(S)`` are computed when
+one of the worker's requests completes (O(L x E) per queued request), so rounding never
+accumulates past the next completion, and a ``q`` that underflows on the way (it means "surely
+active") is rebuilt exactly then.
 """
 
 from __future__ import annotations
@@ -18,34 +24,39 @@ class WorkerExpertLoad:
         """``size`` = L*E, the flattened signature."""
         self.size = size
         self._log_miss = np.zeros((num_workers, size), dtype=np.float64)
-        # float32 copy of exp(S) for the per-decision product: half the memory traffic, and
-        # the product's relative error (~1e-6) is far below what separates two workers.
+        # float32 q for the per-decision product: half the memory traffic, and its relative
+        # error (~1e-7) is far below what separates two workers.
         self._miss = np.ones((num_workers, size), dtype=np.float32)
         self._members = np.zeros(num_workers, dtype=np.int64)
+        self._queued: list[list[np.ndarray]] = [[] for _ in range(num_workers)]
         self.distinct = np.zeros(num_workers, dtype=np.float64)  # expected distinct, per worker
 
-    def add(self, worker: int, log_complement: np.ndarray) -> None:
-        self._log_miss[worker] += log_complement
+    def add(self, worker: int, pi: np.ndarray) -> None:
+        """A request with flattened float32 ``pi`` joined ``worker``."""
+        miss = self._miss[worker]
+        miss *= 1.0 - pi
         self._members[worker] += 1
-        self._refresh(worker)
+        self._queued[worker].append(pi)
+        self.distinct[worker] = self.size - float(miss.sum(dtype=np.float64))
 
-    def remove(self, worker: int, log_complement: np.ndarray) -> None:
+    def remove(self, worker: int, pi: np.ndarray) -> None:
+        """A request that joined ``worker`` with ``pi`` (the same array) left it."""
+        queued = self._queued[worker]
         self._members[worker] -= 1
+        log_miss = self._log_miss[worker]
         if self._members[worker] == 0:
             # Start clean: no rounding residue carried from one busy period to the next.
-            self._log_miss[worker].fill(0.0)
+            log_miss.fill(0.0)
+            queued.clear()
         else:
-            self._log_miss[worker] -= log_complement
-        self._refresh(worker)
-
-    def members(self, worker: int) -> int:
-        return int(self._members[worker])
+            for joined in queued:
+                log_miss += np.log1p(-joined)
+            queued.clear()
+            log_miss -= np.log1p(-pi)
+        miss = np.exp(log_miss)
+        self._miss[worker] = miss
+        self.distinct[worker] = self.size - float(miss.sum())
 
     def added_distinct(self, pi: np.ndarray) -> np.ndarray:
         """Per worker, the expected distinct experts a request with flattened ``pi`` adds."""
         return self._miss @ pi
-
-    def _refresh(self, worker: int) -> None:
-        miss = np.exp(self._log_miss[worker])
-        self._miss[worker] = miss
-        self.distinct[worker] = self.size - float(miss.sum())
