@@ -83,8 +83,8 @@ def test_dispatch_and_completion_add_and_remove_one_request_by_key() -> None:
     only_b = policy()
     added(only_b, A, [0, 0])
     dispatch(only_b, 0, B, "b", [0, 0])
-    # Exactly b's part is left on worker 0: as if a had never been there.
-    np.testing.assert_allclose(added(p, A, [1, 0]), added(only_b, A, [1, 0]), rtol=1e-12)
+    # Exactly b's part is left on worker 0 (to float32 rounding): as if a had never been there.
+    np.testing.assert_allclose(added(p, A, [1, 0]), added(only_b, A, [1, 0]), rtol=1e-6)
     assert not np.allclose(added(p, A, [2, 0]), both)
     p.on_complete(0, "b")
     np.testing.assert_array_equal(added(p, A, [0, 0]), empty)  # back to empty, bit for bit
@@ -271,3 +271,4 @@ def test_worker_unions_match_the_closed_form_through_joins_and_leaves() -> None:
     for _ in range(59):
         load.remove(0, sure)
     assert load.added_distinct(sure)[0] == pytest.approx(float((1.0 - sure) @ sure), abs=1e-6)
+    assert np.isfinite(load.distinct).all()
