@@ -73,9 +73,6 @@ def main() -> None:
     loads = np.zeros(args.workers, np.int64)
     running: deque[Decision] = deque()
 
-    def route(kv: dict) -> Decision:
-        return router.choose(router.features(kv), loads, eligible)
-
     def complete_oldest() -> None:
         done = running.popleft()
         done.on_complete(done.worker)
@@ -84,29 +81,35 @@ def main() -> None:
     capacity = args.workers * args.in_flight
     clock = time.perf_counter_ns
     warmup = 2000
+    unpack = np.empty(args.requests)
     decide = np.empty(args.requests)
     finish = np.empty(args.requests)
     for i in range(warmup + args.requests):
         kv = packed[i % distinct]
         t0 = clock()
-        decision = route(kv)
+        features = router.features(kv)
         t1 = clock()
+        decision = router.choose(features, loads, eligible)
+        t2 = clock()
         loads[decision.worker] += 1
         running.append(decision)
-        t2 = clock()
+        t3 = clock()
         if len(running) > capacity:
             complete_oldest()
-        t3 = clock()
+        t4 = clock()
         if i >= warmup:
-            decide[i - warmup], finish[i - warmup] = (t1 - t0) / 1e3, (t3 - t2) / 1e3
+            j = i - warmup
+            unpack[j], decide[j], finish[j] = (t1 - t0) / 1e3, (t2 - t1) / 1e3, (t4 - t3) / 1e3
 
     print(
         f"eldr-union routing, {args.workers} workers x {args.in_flight} in flight, signatures"
         f" {args.layers}x{args.experts} top-{args.top_k}, {args.requests} requests, 1 thread"
     )
-    print(f"  decode + choose  : {percentiles(decide)}")
+    print(f"  signature decode : {percentiles(unpack)}")
+    print(f"  choose + dispatch: {percentiles(decide)}")
+    print(f"  decision (both)  : {percentiles(unpack + decide)}")
     print(f"  completion       : {percentiles(finish)}")
-    verdict = "meets" if np.percentile(decide, 99) <= 50 else "MISSES"
+    verdict = "meets" if np.percentile(unpack + decide, 99) <= 50 else "MISSES"
     print(f"  goal p99 <= 50 us for a decision (signature decode included): {verdict}")
 
 

@@ -103,8 +103,10 @@ class EldrUnionPolicy(DecodePolicy):
         self._shape: tuple[int, int] | None = None
         self._step: _StepCost | None = None
         self._members: dict[Hashable, tuple[int, np.ndarray]] = {}
-        # The last request's prediction, so its dispatch does not compute it again.
+        # The last request's prediction and the distinct experts it adds per worker, so its
+        # dispatch does not compute them again.
         self._last: tuple[RoutingRequest, np.ndarray | None] | None = None
+        self._last_added: np.ndarray | None = None
 
     # --- decision ---
 
@@ -131,7 +133,9 @@ class EldrUnionPolicy(DecodePolicy):
         inclusion probabilities ``pi`` joins it."""
         assert self._load is not None and self._step is not None  # set with the first pi
         step = self._step
-        extra = step.per_seq + step.per_expert * self._load.added_distinct(pi)
+        added_distinct = self._load.added_distinct(pi)
+        self._last_added = added_distinct
+        extra = step.per_seq + step.per_expert * added_distinct
         n = loads.astype(np.float64)
         now = step.fixed + step.per_seq * n + step.per_expert * self._load.distinct
         return now + (n + 1.0) * extra
@@ -142,6 +146,7 @@ class EldrUnionPolicy(DecodePolicy):
         if last is not None and last[0] is request:
             return last[1]
         pi = None
+        self._last_added = None
         counts = signature_counts(request.counts)
         if counts is not None and self.params.top_k is not None and self._fits(counts.shape):
             pi = fast_inclusion(counts, self.params.top_k)
@@ -169,12 +174,14 @@ class EldrUnionPolicy(DecodePolicy):
     def on_dispatch(self, worker: int, request: RoutingRequest, key: Hashable) -> None:
         if key in self._members:
             raise EldrError(f"request key {key!r} dispatched twice without completing")
+        fresh = self._last is not None and self._last[0] is request
         pi = self._predict(request)
-        self._last = None
+        added = self._last_added if fresh else None
+        self._last = self._last_added = None
         if pi is None:
             return  # counted by the proxy's loads only
         assert self._load is not None
-        self._load.add(worker, pi)
+        self._load.add(worker, pi, None if added is None else float(added[worker]))
         self._members[key] = (worker, pi)
 
     def on_complete(self, worker: int, key: Hashable) -> None:

@@ -31,13 +31,16 @@ class WorkerExpertLoad:
         self._queued: list[list[np.ndarray]] = [[] for _ in range(num_workers)]
         self.distinct = np.zeros(num_workers, dtype=np.float64)  # expected distinct, per worker
 
-    def add(self, worker: int, pi: np.ndarray) -> None:
-        """A request with flattened float32 ``pi`` joined ``worker``."""
+    def add(self, worker: int, pi: np.ndarray, added: float | None = None) -> None:
+        """A request with flattened float32 ``pi`` joined ``worker``; ``added`` is
+        ``added_distinct(pi)[worker]`` when the caller has it (it is the rise in distinct)."""
         miss = self._miss[worker]
+        if added is None:
+            added = float(miss @ pi)
         miss *= 1.0 - pi
         self._members[worker] += 1
         self._queued[worker].append(pi)
-        self.distinct[worker] = self.size - float(miss.sum(dtype=np.float64))
+        self.distinct[worker] += added
 
     def remove(self, worker: int, pi: np.ndarray) -> None:
         """A request that joined ``worker`` with ``pi`` (the same array) left it."""
