@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -195,11 +196,9 @@ def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
     assert not differ, "\n".join(differ)
 
 
-def test_decode_workers_load_kv_from_prefill(deployment: Deployment) -> None:
-    for prompt in PROMPTS:
-        _complete(deployment.proxy_url, prompt)
-    external = 0.0
-    computed = 0.0
+def _prompt_tokens_by_source(deployment: Deployment) -> tuple[float, float]:
+    """(pulled over NIXL, computed locally) prompt tokens, summed over the decode workers."""
+    external = computed = 0.0
     for url in deployment.cluster.decode_urls:  # type: ignore[attr-defined]
         for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
             if line.startswith("vllm:prompt_tokens_by_source_total"):
@@ -208,6 +207,17 @@ def test_decode_workers_load_kv_from_prefill(deployment: Deployment) -> None:
                     external += value
                 elif 'source="local_compute"' in line:
                     computed += value
+    return external, computed
+
+
+def test_decode_workers_load_kv_from_prefill(deployment: Deployment) -> None:
+    # Counted over these requests only (earlier tests also ask the decode workers directly),
+    # on prompts no worker has cached yet (a decode worker's own prefix-cache hit pulls none).
+    external0, computed0 = _prompt_tokens_by_source(deployment)
+    for prompt in PROMPTS:
+        _complete(deployment.proxy_url, f"{uuid.uuid4().hex} {prompt}")
+    external1, computed1 = _prompt_tokens_by_source(deployment)
+    external, computed = external1 - external0, computed1 - computed0
     assert external > 0
     # vLLM recomputes at most the last prompt token of each request on the decode side.
     assert computed <= external * 0.2
