@@ -36,7 +36,7 @@ curl -sf http://127.0.0.1:8000/health >/dev/null || { echo "proxy not ready" >&2
 # Poisson arrivals with at most 12 requests in flight: every policy decodes batches of ~6 at
 # the same load (the regime where the experts a batch shares decide step time), and with 8
 # batch slots per worker a locality policy still has room to choose.
-$ELDR bench --url http://127.0.0.1:8000 --policies eldr,eldr-bl,rr,jsq,random,p2c \
+$ELDR bench --url http://127.0.0.1:8000 --policies eldr,eldr-bl,eldr-union,rr,jsq,random,p2c \
   --num-prompts "${DEMO_PROMPTS:-60}" --request-rate "${DEMO_RATE:-4}" \
   --max-concurrency "${DEMO_CONCURRENCY:-12}" --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
 
