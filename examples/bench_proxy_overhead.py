@@ -180,7 +180,8 @@ def main() -> None:
             f" {SHAPE[0]}x{SHAPE[1]}, {args.tokens} tokens, {args.requests} sequential requests"
             " per row, direct and proxied alternating"
         )
-        with httpx.Client(timeout=30) as client:
+        # The proxy, as vLLM, takes only bodies declared application/json.
+        with httpx.Client(timeout=30, headers={"content-type": "application/json"}) as client:
             for stream in (False, True):
                 bodies = [
                     {
