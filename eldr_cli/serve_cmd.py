@@ -158,7 +158,7 @@ def serve(
         prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
         tau=tau, epsilon=epsilon, artifact_store=store_path if use_store else None,
         artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
-        decode_slots=None if attach else max_num_seqs,
+        decode_slots=None if attach else max_num_seqs, model_top_k=resolved.identity.top_k,
         api_key=api_key, admin_api_key=admin_api_key, worker_api_key=worker_api_key,
     )
     check_free("--port", [port], host)

@@ -272,3 +272,15 @@ def test_worker_unions_match_the_closed_form_through_joins_and_leaves() -> None:
         load.remove(0, sure)
     assert load.added_distinct(sure)[0] == pytest.approx(float((1.0 - sure) @ sure), abs=1e-6)
     assert np.isfinite(load.distinct).all()
+
+
+def test_router_without_an_artifact_takes_top_k_from_the_served_model() -> None:
+    router = DecodeRouter(2, "eldr-union", 0.1, None, model_top_k=TOP_K)
+    assert router.policy.params.top_k == TOP_K  # type: ignore[attr-defined]
+    loads = np.zeros(2, np.int64)
+    workers = []
+    for experts in ((0, 1), (5, 6), (0, 1)):
+        decision = router.choose(router.features(wire.encode(peaked(experts))), loads, loads >= 0)
+        workers.append(decision.worker)
+        loads[decision.worker] += 1
+    assert workers[1] != workers[0] and workers[2] == workers[0]

@@ -24,6 +24,9 @@ class ProxyConfig:
     artifact_version: str = "latest"
     # Filled into requests that name no model; None leaves requests untouched.
     model: str | None = None
+    # The served model's experts per token (its config): lets policies that route on raw
+    # counts (eldr-union) work without an artifact.
+    model_top_k: int | None = None
     connect_timeout_s: float = 3.0
     # Prefill answers only after the whole prompt ran, so its read timeout covers a prefill.
     prefill_timeout_s: float = 120.0

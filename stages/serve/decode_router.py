@@ -67,8 +67,10 @@ class DecodeRouter:
         refitter: OnlineRefitter | None = None,
         worker_slots: int | None = None,
         epsilon: float = DEFAULT_EPSILON,
+        model_top_k: int | None = None,
     ) -> None:
         self.num_workers = num_workers
+        self.model_top_k = model_top_k  # the served model's, when the proxy knows the model
         self.epsilon = epsilon
         self.worker_slots = worker_slots
         self.seed = seed
@@ -103,9 +105,12 @@ class DecodeRouter:
         )
 
     def _top_k(self) -> int | None:
-        """The model's experts per token, which turns counts into per-token probabilities; only
-        an artifact's identity says it today (else counts policies route by load)."""
-        return None if self.artifact is None else int(self.artifact.identity.top_k)
+        """The model's experts per token, which turns counts into per-token probabilities: the
+        artifact's identity, else the served model's config (else counts policies route by
+        load, e.g. attached workers of an unknown model)."""
+        if self.artifact is not None:
+            return int(self.artifact.identity.top_k)
+        return self.model_top_k
 
     def set_policy(
         self, name: str, tau: float | None = None, epsilon: float | None = None

@@ -93,6 +93,7 @@ def build_state(
     router = DecodeRouter(
         len(decode), config.policy, config.tau, artifact, seed=config.seed, refitter=refitter,
         worker_slots=config.decode_slots, epsilon=config.epsilon,
+        model_top_k=config.model_top_k,
     )
     return ProxyState(
         config=config,
