@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,9 +18,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    # Below the ephemeral range, where no other socket's automatic bind can take it before the
+    # server under test binds it (stages.serve.ports).
+    from stages.serve.ports import free_ports
+
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="session")

@@ -202,3 +202,12 @@ def test_a_restarted_worker_keeps_its_spec_and_its_log(monkeypatch, tmp_path) ->
         wait_for_lines(new.log_path, 2)  # the restart appended to the crashed run's log
     finally:
         cluster.stop()
+
+
+def test_free_ports_stay_below_the_kernels_ephemeral_range() -> None:
+    from stages.serve.ports import _ephemeral_low, free_ports
+
+    ports = free_ports(8, avoid=range(10000, 10100))
+    # Ephemeral ports go to any socket's automatic bind (vLLM's ZMQ and gloo ones among them),
+    # so a port picked there could be taken before the worker binds it.
+    assert len(set(ports)) == 8 and all(10100 <= p < _ephemeral_low() for p in ports)

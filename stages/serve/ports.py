@@ -7,12 +7,16 @@ decode worker of one deployment pulling KV from another deployment's prefill wor
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterable
+from pathlib import Path
 
 from stages.errors import EldrError
 
 _LAST_PORT = 65535
+_SCAN_FROM = 10000  # above the well-known and registered ports most services use
+_EPHEMERAL_LOW_DEFAULT = 32768
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -43,20 +47,46 @@ def check_free(what: str, ports: Iterable[int], host: str = "127.0.0.1") -> None
 
 
 def free_ports(count: int, avoid: Iterable[int] = ()) -> list[int]:
-    """``count`` distinct loopback ports the system reports free now, none in ``avoid``."""
+    """``count`` distinct loopback ports free now, none in ``avoid``, below the kernel's
+    ephemeral range.
+
+    A port the system picks (bind to 0) is an ephemeral one, and the kernel hands those to any
+    socket at any moment: vLLM's own ZMQ and gloo binds took such a port from a decode worker's
+    NIXL listener between the pick and its bind ("Address already in use"). Below the range
+    only a deliberate bind can take it. The scan starts at a random point so two deployments
+    planned at once rarely try the same ports.
+    """
     avoid = set(avoid)
+    low, high = _SCAN_FROM, _ephemeral_low()
+    if high - low < count + len(avoid):
+        raise EldrError(f"no {count} free ports below the ephemeral range ({low}-{high - 1})")
+    start = random.SystemRandom().randrange(high - low)
     held: list[socket.socket] = []
     ports: list[int] = []
     try:
-        # Holding every socket until all are chosen keeps the system from handing out one
-        # port twice.
-        while len(ports) < count:
-            sock = _bind("127.0.0.1", 0)
-            held.append(sock)
-            port = int(sock.getsockname()[1])
-            if port not in avoid:
-                ports.append(port)
+        # Holding every socket until all are chosen keeps one port from being picked twice.
+        for offset in range(high - low):
+            if len(ports) == count:
+                break
+            port = low + (start + offset) % (high - low)
+            if port in avoid:
+                continue
+            try:
+                held.append(_bind("127.0.0.1", port))
+            except OSError:
+                continue  # taken: try the next one
+            ports.append(port)
     finally:
         for sock in held:
             sock.close()
+    if len(ports) < count:
+        raise EldrError(f"only {len(ports)} of {count} ports free in {low}-{high - 1}")
     return ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; the usual default elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW_DEFAULT
