@@ -11,7 +11,7 @@ import typer
 from eldr_cli.options import SeedOption
 from stages import paths
 from stages.errors import EldrError
-from stages.serve.policies import needs_centroids
+from stages.routing.policies import needs_centroids
 
 ALL_POLICIES = "eldr,eldr-bl,eldr-union,rr,jsq,random,p2c"
 
@@ -156,12 +156,12 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
               rates: list[float], prefill: int, decode: int, duration: float, cost: str,
               output_tokens: int | None, result_dir: Path, seed: int,
               shuffle_decode: bool) -> None:
-    from stages.bench.cost_model import CostModel, cpu_like, gpu_like
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
     from stages.bench.results import ComparisonResult, save_comparison
     from stages.bench.simulator import SimConfig, simulate
     from stages.fit.artifact import load_for_serving
+    from stages.routing.cost_model import cost_model_for
     from stages.signature.dataset import SignatureDataset
 
     dataset = SignatureDataset.open(data or paths.default_dataset())
@@ -171,12 +171,7 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
     if any(needs_centroids(name) for name in policies):
         artifact = load_for_serving(store or paths.default_artifact_store(), "latest", identity,
                                     decode)
-    if cost == "gpu":
-        model = gpu_like(identity.num_layers, identity.num_experts)
-    elif cost == "cpu":
-        model = cpu_like(identity.num_layers)
-    else:
-        model = CostModel.load(Path(cost))
+    model = cost_model_for(cost, identity.num_layers, identity.num_experts)
     sweep = []
     for rate in rates:
         config = SimConfig(cost=model, num_prefill=prefill, num_decode=decode,

@@ -34,11 +34,11 @@ def fit(
     """Fit the signature transform (IDF, layer mask) and balanced spherical k-means centroids,
     and save them as an immutable, content-addressed artifact version. Prints what routing by
     centroid should buy per decode step on held-out requests, and the TPOT change it predicts."""
-    from stages.bench.cost_model import cost_model_for
     from stages.errors import EldrError
     from stages.fit.artifact import ArtifactStore
     from stages.fit.gain_report import gain_lines
     from stages.fit.pipeline import FitConfig, fit_artifact, plot_fit
+    from stages.routing.cost_model import cost_model_for
     from stages.signature.dataset import SignatureDataset
 
     dataset = SignatureDataset.open(data or paths.default_dataset())

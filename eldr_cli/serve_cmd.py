@@ -12,8 +12,8 @@ import typer
 from eldr_cli.options import EagerOption, ModelOption, SeedOption
 from stages import paths
 from stages.errors import EldrError
-from stages.serve.policies import needs_centroids
-from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policies import needs_centroids
+from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
 
 
 def serve(

@@ -19,7 +19,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
-from stages.serve.policies import RoutingRequest, make_policy
+from stages.routing.policies import RoutingRequest, make_policy
 from stages.signature import wire
 from stages.signature.transform import SignatureTransform, fit_idf
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.bench.cost_model import (
+from stages.errors import EldrError
+from stages.routing.cost_model import (
     CostModel,
     CostSample,
     cpu_like,
@@ -16,7 +17,6 @@ from stages.bench.cost_model import (
     fit_quality,
     gpu_like,
 )
-from stages.errors import EldrError
 
 TRUE = CostModel(num_layers=24, base_s=4e-3, per_token_s=60e-6, per_expert_s=5e-6)
 

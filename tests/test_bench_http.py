@@ -25,12 +25,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from stages.bench.cost_model import CostModel
 from stages.bench.engine_cost import EngineCostConfig, batch_prompts, measure_engine_cost
 from stages.bench.loadgen import BenchConfig, interleaved_plan, run_policy_comparison
 from stages.bench.plots import write_plots
 from stages.bench.report import format_comparison
 from stages.prompts import Prompt
+from stages.routing.cost_model import CostModel
 
 LAYERS = 4
 EXPERTS_PER_LAYER = {"eldr": 3.0, "rr": 7.0, "jsq": 6.0}

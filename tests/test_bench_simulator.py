@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from stages.bench.arrivals import poisson_arrivals_until
-from stages.bench.cost_model import CostModel
 from stages.bench.expert_union import DecodeProfiles, ExpertUnion
 from stages.bench.sim_workload import build_workload, decode_permutation
 from stages.bench.simulator import SimConfig, simulate, simulate_sweep
 from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
 from stages.errors import EldrError
+from stages.routing.cost_model import CostModel
 from stages.signature.dataset import SignatureArrays
 
 SPEC = SyntheticSpec(

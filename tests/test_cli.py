@@ -133,10 +133,10 @@ def test_bench_prints_the_comparison_table_and_plots(
 ) -> None:
     """`eldr bench` end to end over a stubbed load run (the real one is in the demo)."""
     import stages.bench.loadgen as loadgen
-    from stages.bench.cost_model import gpu_like
     from stages.bench.results import ComparisonResult
     from stages.bench.simulator import SimConfig, simulate
     from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+    from stages.routing.cost_model import gpu_like
 
     spec = SyntheticSpec(num_requests=200, num_layers=4, num_experts=16, top_k=2,
                          domain_experts=6, min_output=8, max_output=16)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from stages.errors import EldrError
-from stages.serve.policies import RoutingRequest, make_policy
-from stages.serve.policies.cluster_map import remap_for_healthy, spread_clusters
+from stages.routing.policies import RoutingRequest, make_policy
+from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
 
 
 def families(num_families: int, per_family: int, dim: int = 32, seed: int = 0) -> np.ndarray:

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.bench.cost_model import gpu_like
 from stages.fit.artifact import ArtifactStore
 from stages.fit.batch_union import batch_union
 from stages.fit.gain import GainConfig, batch_verdict, estimate_gain, overall_verdict
 from stages.fit.gain_report import BALANCERS, CENTROID_POLICIES, gain_lines
 from stages.fit.pipeline import FitConfig, fit_artifact
-from stages.serve.policies import POLICIES
+from stages.routing.cost_model import gpu_like
+from stages.routing.policies import POLICIES
 from stages.signature.dataset import ModelIdentity
 from stages.signature.inclusion import inclusion_log_complement
 

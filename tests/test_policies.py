@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from stages.errors import EldrError
-from stages.serve.policies import (
+from stages.routing.policies import (
     POLICIES,
     EldrBoundedPolicy,
     EldrPolicy,
@@ -16,10 +16,10 @@ from stages.serve.policies import (
     make_policy,
     needs_centroids,
 )
-from stages.serve.policies.jsq import JsqPolicy
-from stages.serve.policies.p2c import PowerOfTwoPolicy
-from stages.serve.policies.random_policy import RandomPolicy
-from stages.serve.policies.round_robin import RoundRobinPolicy
+from stages.routing.policies.jsq import JsqPolicy
+from stages.routing.policies.p2c import PowerOfTwoPolicy
+from stages.routing.policies.random_policy import RandomPolicy
+from stages.routing.policies.round_robin import RoundRobinPolicy
 
 
 def req(loads, eligible=None, features=None) -> RoutingRequest:

@@ -7,8 +7,8 @@ import importlib.util
 import numpy as np
 import pytest
 
+from stages.routing.policies import EldrPolicy, RoutingRequest, make_policy
 from stages.serve.online_refit import OnlineRefitter, align_to_current
-from stages.serve.policies import EldrPolicy, RoutingRequest, make_policy
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:

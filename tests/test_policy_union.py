@@ -7,18 +7,18 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from stages.bench.cost_model import CostModel
 from stages.errors import EldrError
-from stages.serve.decode_router import DecodeRouter
-from stages.serve.policies import (
+from stages.routing.cost_model import CostModel
+from stages.routing.policies import (
     EldrUnionPolicy,
     RoutingRequest,
     UnionParams,
     make_policy,
     needs_centroids,
 )
-from stages.serve.policies.eldr_union import fast_inclusion
-from stages.serve.policies.expert_load import WorkerExpertLoad
+from stages.routing.policies.eldr_union import fast_inclusion
+from stages.routing.policies.expert_load import WorkerExpertLoad
+from stages.serve.decode_router import DecodeRouter
 from stages.signature import wire
 from stages.signature.inclusion import inclusion_probabilities
 from tests.fakes.artifact import domain_artifact

@@ -27,13 +27,6 @@ import httpx
 import numpy as np
 
 from stages.bench.client import CompletionSettings, stream_completion
-from stages.bench.cost_model import (
-    CostModel,
-    CostSample,
-    fit_cost_model,
-    fit_prefill,
-    fit_quality,
-)
 from stages.bench.metrics import RequestRecord
 from stages.bench.worker_metrics import (
     DecodeCounters,
@@ -42,6 +35,13 @@ from stages.bench.worker_metrics import (
 )
 from stages.errors import EldrError
 from stages.prompts import Prompt, load_prompts
+from stages.routing.cost_model import (
+    CostModel,
+    CostSample,
+    fit_cost_model,
+    fit_prefill,
+    fit_quality,
+)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 
 from stages.bench.arrivals import poisson_arrivals_until
-from stages.bench.cost_model import CostModel
 from stages.errors import EldrError
+from stages.routing.cost_model import CostModel
 from stages.signature.dataset import SignatureArrays
 
 PREFILL_ROUTING = ("round_robin", "least_loaded")

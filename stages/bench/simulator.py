@@ -23,21 +23,21 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from stages.bench.cost_model import CostModel
 from stages.bench.expert_union import DecodeProfiles, ExpertUnion
 from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import ComparisonResult, PolicyResult
 from stages.bench.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
-from stages.serve.policies import (
+from stages.routing.cost_model import CostModel
+from stages.routing.policies import (
     POLICIES,
     DecodePolicy,
     RoutingRequest,
     make_policy,
     signature_counts,
 )
-from stages.serve.policies.eldr import DEFAULT_TAU
-from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policies.eldr import DEFAULT_TAU
+from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
 from stages.signature.dataset import SignatureArrays
 
 DEFAULT_POLICIES = ("eldr", "eldr-bl", "eldr-union", "rr", "jsq", "random", "p2c")

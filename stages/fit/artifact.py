@@ -103,7 +103,7 @@ def load_for_serving(
 
     One place for the checks ``eldr serve`` and ``eldr bench --simulate`` both need: a fit
     exists, it is for this model, and it has at least one centroid per decode worker (more are
-    spread over the workers: ``stages.serve.policies.cluster_map``).
+    spread over the workers: ``stages.routing.policies.cluster_map``).
     """
     if not store.exists() or not any(store.iterdir()):
         raise EldrError(

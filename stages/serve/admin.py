@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from stages.errors import EldrError
-from stages.serve.policies import POLICIES
+from stages.routing.policies import POLICIES
 from stages.serve.request_body import bad_request, read_json_body
 from stages.serve.responses import ProxyError, json_error, json_response
 from stages.serve.state import ProxyState

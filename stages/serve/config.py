@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.errors import EldrError
-from stages.serve.policies import POLICIES
-from stages.serve.policies.eldr import DEFAULT_TAU
-from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policies import POLICIES
+from stages.routing.policies.eldr import DEFAULT_TAU
+from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,17 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
-from stages.serve.artifact_source import ArtifactLike
-from stages.serve.online_refit import OnlineRefitter, RefitResult
-from stages.serve.policies import (
+from stages.routing.policies import (
     DecodePolicy,
     EldrPolicy,
     RoutingRequest,
     make_policy,
     signature_counts,
 )
-from stages.serve.policies.cluster_map import remap_for_healthy, spread_clusters
-from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
+from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.serve.artifact_source import ArtifactLike
+from stages.serve.online_refit import OnlineRefitter, RefitResult
 from stages.signature import wire
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stages.serve.policies.select import (
+from stages.routing.policies.select import (
     BOUNDED_LOAD_FACTOR,
     bounded_load_capacity,
     least_loaded_lowest,

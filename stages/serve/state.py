@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from stages.errors import EldrError
+from stages.routing.policies import needs_centroids
 from stages.serve.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.config import ProxyConfig
 from stages.serve.decode_router import DecodeRouter
 from stages.serve.metrics import ProxyMetrics, RestartCounts, no_restarts
 from stages.serve.online_refit import FitFn, OnlineRefitter, balanced_fit
-from stages.serve.policies import needs_centroids
 from stages.serve.prefill_router import PrefillRouter
 from stages.serve.upstream import leg_timeout
 from stages.serve.workers import WorkerPool

@@ -20,9 +20,9 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
-from stages.serve.policies.base import DecodePolicy, RoutingRequest
-from stages.serve.policies.cluster_map import remap_for_healthy, spread_clusters
-from stages.serve.policies.select import least_loaded_random
+from stages.routing.policies.base import DecodePolicy, RoutingRequest
+from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
+from stages.routing.policies.select import least_loaded_random
 
 DEFAULT_TAU = 0.1
 

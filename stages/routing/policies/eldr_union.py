@@ -1,7 +1,7 @@
 """Batch-aware ELDR ("eldr-union"): send a request where it adds the least decode latency.
 
 A decode step of a memory-bound MoE worker costs ``fixed + a * batch + b * distinct``
-(``stages.bench.cost_model``): every distinct expert the batch activates is streamed once. So
+(``stages.routing.cost_model``): every distinct expert the batch activates is streamed once. So
 what a request costs depends on what the worker is running now, not on a static cluster. Each
 in-flight request's prefill counts predict its per-step expert inclusion probabilities;
 per worker their union gives the expected distinct experts of a step (``expert_load``). For a
@@ -33,11 +33,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from stages.bench.cost_model import CostModel, cpu_like, gpu_like
 from stages.errors import EldrError
-from stages.serve.policies.base import DecodePolicy, RoutingRequest, signature_counts
-from stages.serve.policies.expert_load import WorkerExpertLoad
-from stages.serve.policies.select import least_loaded_random
+from stages.routing.cost_model import CostModel, cpu_like, gpu_like
+from stages.routing.policies.base import DecodePolicy, RoutingRequest, signature_counts
+from stages.routing.policies.expert_load import WorkerExpertLoad
+from stages.routing.policies.select import least_loaded_random
 from stages.signature.inclusion import inclusion_probabilities
 
 # Workers whose added latency is within this relative margin of the best tie (random pick):

@@ -19,9 +19,9 @@ from typing import ClassVar
 import numpy as np
 
 from stages.errors import EldrError
-from stages.serve.policies.base import RoutingRequest
-from stages.serve.policies.eldr import DEFAULT_TAU, EldrPolicy
-from stages.serve.policies.select import BOUNDED_LOAD_FACTOR, bounded_load_capacity
+from stages.routing.policies.base import RoutingRequest
+from stages.routing.policies.eldr import DEFAULT_TAU, EldrPolicy
+from stages.routing.policies.select import BOUNDED_LOAD_FACTOR, bounded_load_capacity
 
 DEFAULT_EPSILON = BOUNDED_LOAD_FACTOR - 1.0
 

@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from stages.errors import EldrError
-from stages.serve.policies.base import DecodePolicy, RoutingRequest, signature_counts
-from stages.serve.policies.eldr import DEFAULT_TAU, EldrPolicy
-from stages.serve.policies.eldr_bounded import DEFAULT_EPSILON, EldrBoundedPolicy
-from stages.serve.policies.eldr_union import EldrUnionPolicy, UnionParams
-from stages.serve.policies.jsq import JsqPolicy
-from stages.serve.policies.p2c import PowerOfTwoPolicy
-from stages.serve.policies.random_policy import RandomPolicy
-from stages.serve.policies.round_robin import RoundRobinPolicy
+from stages.routing.policies.base import DecodePolicy, RoutingRequest, signature_counts
+from stages.routing.policies.eldr import DEFAULT_TAU, EldrPolicy
+from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON, EldrBoundedPolicy
+from stages.routing.policies.eldr_union import EldrUnionPolicy, UnionParams
+from stages.routing.policies.jsq import JsqPolicy
+from stages.routing.policies.p2c import PowerOfTwoPolicy
+from stages.routing.policies.random_policy import RandomPolicy
+from stages.routing.policies.round_robin import RoundRobinPolicy
 
 if TYPE_CHECKING:
-    from stages.bench.cost_model import CostModel
+    from stages.routing.cost_model import CostModel
 
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls

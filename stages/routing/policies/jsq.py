@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from stages.serve.policies.base import DecodePolicy, RoutingRequest
-from stages.serve.policies.select import least_loaded_random
+from stages.routing.policies.base import DecodePolicy, RoutingRequest
+from stages.routing.policies.select import least_loaded_random
 
 
 class JsqPolicy(DecodePolicy):

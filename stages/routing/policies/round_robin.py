@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from stages.serve.policies.base import DecodePolicy, RoutingRequest
-from stages.serve.policies.select import eligible_indices
+from stages.routing.policies.base import DecodePolicy, RoutingRequest
+from stages.routing.policies.select import eligible_indices
 
 
 class RoundRobinPolicy(DecodePolicy):
