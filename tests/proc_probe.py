@@ -1,12 +1,19 @@
-"""What the real-vLLM tests look at from outside: processes eldr started and their sockets."""
+"""What the real-vLLM tests look at from outside: processes eldr started, their sockets, and
+when `eldr serve` is ready."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
 
 from stages.procs import linux
 
@@ -90,3 +97,28 @@ def listeners(pids: set[int]) -> list[Listener]:
             found.append(Listener(pid, command(pid)[:80], proto, _address(address, "6" in proto),
                                   int(port, 16)))
     return found
+
+
+def wait_healthy(
+    proc: subprocess.Popen[Any],
+    url: str,
+    timeout_s: float,
+    output: Callable[[], str],
+    on_poll: Callable[[], object] | None = None,
+) -> None:
+    """Wait until ``eldr serve`` (``proc``) answers 200 on ``url``/health; fail with its output
+    if it exits first or the time runs out. ``on_poll`` runs every second (to record the
+    processes it starts while they come up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"eldr serve exited with {proc.returncode}:\n{output()[-4000:]}")
+        if on_poll is not None:
+            on_poll()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"eldr serve did not become healthy in {timeout_s:.0f} s:\n{output()[-4000:]}")

@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import free_port, requires_vllm
+from tests.proc_probe import wait_healthy
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -40,17 +40,7 @@ def test_capture_fit_k20_serve_bench(tmp_path: Path) -> None:
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 500
-        while time.monotonic() < deadline:
-            assert serve.poll() is None, serve.stdout.read() if serve.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("eldr serve did not become healthy")
+        wait_healthy(serve, url, 500, lambda: serve.stdout.read() if serve.stdout else "")
         state = httpx.get(f"{url}/admin/state", timeout=10).json()
         assert state["policy"] == "eldr"
         assert [len(w["clusters"]) for w in state["decode_workers"]] == [10, 10]

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, requires_vllm
+from tests.proc_probe import wait_healthy
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -78,19 +79,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 400
         workers: set[int] = set()
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            workers |= _descendants(proc.pid)
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("eldr serve did not become healthy")
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 400,
+                     lambda: proc.stdout.read() if proc.stdout else "",
+                     on_poll=lambda: workers.update(_descendants(proc.pid)))
         yield Served(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{worker_port + 1}",
                      wide, workers)
     finally:

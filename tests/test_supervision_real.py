@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, requires_vllm
-from tests.proc_probe import command, listeners, tree, wait_gone
+from tests.proc_probe import command, listeners, tree, wait_gone, wait_healthy
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -74,18 +74,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         )
     served = Served(proc, f"http://127.0.0.1:{port}", worker_port, log)
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            served.seen()
-            try:
-                if httpx.get(f"{served.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("eldr serve did not become healthy")
+        wait_healthy(proc, served.url, 400, log.read_text, on_poll=served.seen)
         yield served
     finally:
         if proc.poll() is None:
