@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,17 +13,20 @@ from stages import paths
 from stages.errors import EldrError
 from stages.routing.policies import needs_centroids
 
+if TYPE_CHECKING:
+    from stages.bench.simulator import SimConfig
+    from stages.fit.artifact import Artifact
+    from stages.signature.dataset import SignatureArrays, SignatureDataset
+
 ALL_POLICIES = "eldr,eldr-bl,eldr-union,rr,jsq,random,p2c"
 
 
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [math.inf if r.strip() == "inf" else float(r) for r in text.split(",")]
-    except ValueError as exc:
-        raise EldrError(f"--request-rate takes numbers or 'inf', comma separated: {text}") from exc
-    if any(r <= 0 for r in rates):
-        raise EldrError("--request-rate must be > 0")
-    return rates
+def _live_rates(text: str) -> list[float]:
+    from stages.bench.capacity import parse_rates, resolve_rates
+
+    return resolve_rates(parse_rates(text), None)
+
+
 
 
 def bench(
@@ -35,7 +38,9 @@ def bench(
     num_prompts: Annotated[int, typer.Option(help="Requests per policy (per rate).", min=1)]
     = 120,
     request_rate: Annotated[str, typer.Option(
-        help="Poisson arrival rate(s) in req/s, comma separated; 'inf' sends all at once.")]
+        help="Poisson arrival rate(s) in req/s, comma separated; 'inf' sends all at once."
+        " --simulate also takes 'N%' of the cluster's capacity (from the cost model, decode"
+        " and prefill workers, output length and batch slots) and 'auto' (50%,70%,85%).")]
     = "2",
     max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")]
     = None,
@@ -64,9 +69,16 @@ def bench(
     cost: Annotated[str, typer.Option(
         help="--simulate: cost model: 'gpu' (GPU-like preset), 'cpu', or a JSON file from"
         " --engine-cost.")] = "gpu",
-    shuffle_decode: Annotated[bool, typer.Option(
-        "--shuffle-decode", help="--simulate: no-locality control: each request decodes as"
-        " another (seeded), so prefill signatures predict nothing.")] = False,
+    locality_blend: Annotated[str, typer.Option(
+        help="--simulate: locality dial s in [0, 1]: each request's per-step decode expert"
+        " probabilities and output length are blended with another request's (seeded) at"
+        " weight s; 0 = the data's own, 1 = no locality (prefill predicts nothing). Two or"
+        " more values, comma separated, at one request rate: sweep s and plot each policy's"
+        " TPOT over the best load balancer against it.")] = "0",
+    locality_reference: Annotated[Path | None, typer.Option(
+        help="--simulate with a locality sweep: artifact store of an `eldr fit` on your own"
+        " data; its held-out gain (prefill-to-decode agreement) is marked on the dial."
+        " Default: the simulation's artifact (--store).", show_default=False)] = None,
     engine_cost: Annotated[bool, typer.Option(
         "--engine-cost", help="Measure decode step time vs distinct experts on the running"
         " decode workers and fit the simulator's cost model.")] = False,
@@ -77,12 +89,12 @@ def bench(
     prompts_path = prompts or paths.EVALUATION_PROMPTS
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     if simulate:
-        _simulate(data, store, names, _rates(request_rate), prefill, decode, duration, cost,
-                  output_tokens, result_dir, seed, shuffle_decode)
+        _simulate(data, store, names, request_rate, prefill, decode, duration, cost,
+                  output_tokens, result_dir, seed, locality_blend, locality_reference)
     elif engine_cost:
         _engine_cost(url, prompts_path, result_dir, seed)
     else:
-        _live(url, names, prompts_path, num_prompts, _rates(request_rate), max_concurrency,
+        _live(url, names, prompts_path, num_prompts, _live_rates(request_rate), max_concurrency,
               max_tokens, rounds, result_dir, seed)
 
 
@@ -104,6 +116,7 @@ def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
     from stages.bench.loadgen import BenchConfig, run_rate_sweep
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
+    from stages.bench.results import live_shape
 
     config = BenchConfig(
         url=url.rstrip("/"), policies=policies, prompts_path=prompts, num_prompts=num_prompts,
@@ -116,9 +129,7 @@ def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
                                      f"{url}: {comparison.request_rate:g} req/s,"
                                      f" {num_prompts} requests"
                                      f" per policy, {max_tokens} output tokens"))
-    workers = sweep[0].info.get("decode_urls") or []
-    shape = f"{len(workers)} decode workers behind " if workers else ""
-    source = f"live, {shape}{url}, {num_prompts} requests per policy"
+    source = " ".join(filter(None, (live_shape(sweep[0].info), "live"))) + f", {url}"
     for path in write_plots(sweep, result_dir, source):
         typer.echo(f"plot: {path}")
     typer.echo(f"results: {result_dir}")
@@ -153,9 +164,11 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
 
 
 def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
-              rates: list[float], prefill: int, decode: int, duration: float, cost: str,
-              output_tokens: int | None, result_dir: Path, seed: int,
-              shuffle_decode: bool) -> None:
+              request_rate: str, prefill: int, decode: int, duration: float, cost: str,
+              output_tokens: int | None, result_dir: Path, seed: int, locality_blend: str,
+              locality_reference: Path | None) -> None:
+    from stages.bench.capacity import cluster_capacity, parse_rates, resolve_rates
+    from stages.bench.locality_sweep import parse_strengths
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
     from stages.bench.results import ComparisonResult, save_comparison
@@ -164,6 +177,11 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
     from stages.routing.cost_model import cost_model_for
     from stages.signature.dataset import SignatureDataset
 
+    specs = parse_rates(request_rate)
+    strengths = parse_strengths(locality_blend)
+    if len(strengths) > 1 and len(specs) != 1:
+        raise EldrError("a locality sweep (several --locality-blend values) runs at one"
+                        " --request-rate")
     dataset = SignatureDataset.open(data or paths.default_dataset())
     arrays = dataset.read()
     identity = dataset.identity
@@ -172,21 +190,79 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
         artifact = load_for_serving(store or paths.default_artifact_store(), "latest", identity,
                                     decode)
     model = cost_model_for(cost, identity.num_layers, identity.num_experts)
+    base = SimConfig(cost=model, num_prefill=prefill, num_decode=decode, duration_s=duration,
+                     policies=policies, output_tokens=output_tokens,
+                     max_output_tokens=max(512, output_tokens or 0), seed=seed,
+                     locality_blend=strengths[0])
+    capacity = None
+    if any(s.of_capacity for s in specs):
+        capacity = cluster_capacity(
+            model, arrays, identity.top_k, num_prefill=prefill, num_decode=decode,
+            max_batch=base.max_batch, output_tokens=output_tokens,
+            max_output_tokens=base.max_output_tokens,
+            first_token_from_prefill=base.first_token_from_prefill)
+    rates = resolve_rates(specs, capacity)
+    if capacity is not None:
+        chosen = ", ".join(f"{r:g}" + (f" ({s.value:.0%})" if s.of_capacity else "")
+                           for s, r in zip(specs, rates, strict=True))
+        typer.echo(f"request rates {chosen} req/s: {capacity.describe()}")
+    source = f"{prefill}P{decode}D simulated, cost {model.name}, {identity.name}"
+    if len(strengths) > 1:
+        _locality_sweep(replace(base, request_rate=rates[0]), dataset, arrays, artifact,
+                        strengths, identity.top_k, locality_reference, source, result_dir)
+        return
+    blend = f", locality blend s={strengths[0]:g}" if strengths[0] else ""
     sweep = []
     for rate in rates:
-        config = SimConfig(cost=model, num_prefill=prefill, num_decode=decode,
-                           request_rate=rate, duration_s=duration, policies=policies,
-                           output_tokens=output_tokens,
-                           max_output_tokens=max(512, output_tokens or 0), seed=seed,
-                           shuffle_decode=shuffle_decode)
+        config = replace(base, request_rate=rate)
         comparison = ComparisonResult(rate, simulate(config, arrays, artifact,
                                                      top_k=identity.top_k))
         sweep.append(comparison)
         save_comparison(comparison, result_dir)
-        control = ", decode profiles shuffled (no locality)" if shuffle_decode else ""
         typer.echo(format_comparison(
             comparison.metrics(), f"simulated {prefill}P{decode}D, {rate:g} req/s,"
-            f" {duration:g} s, {model.name} cost, {identity.describe()}{control}"))
-    source = f"simulated {prefill}P{decode}D, {model.name} cost, {identity.name}"
-    for path in write_plots(sweep, result_dir, source, prefix="sim-"):
+            f" {duration:g} s, {model.name} cost, {identity.describe()}{blend}"))
+    for path in write_plots(sweep, result_dir, source + blend, prefix="sim-"):
         typer.echo(f"plot: {path}")
+
+
+def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: SignatureArrays,
+                    artifact: Artifact | None, strengths: list[float], top_k: int,
+                    reference_store: Path | None, source: str, result_dir: Path) -> None:
+    import orjson
+
+    from stages.bench.locality_sweep import (
+        format_dial,
+        locality_gauge,
+        requests_per_policy,
+        run_locality_sweep,
+        sweep_json,
+    )
+    from stages.bench.plots import plot_locality_dial
+    from stages.bench.results import rate_label
+    from stages.fit.artifact import ArtifactStore
+
+    gauge = None
+    if artifact is not None:
+        reference = artifact
+        name = f"eldr fit {artifact.version} of the simulated data"
+        if reference_store is not None:
+            reference = ArtifactStore(reference_store).load("latest")
+            name = f"eldr fit {reference.version} in {reference_store}"
+        gauge = locality_gauge(artifact, dataset.content_hash(), len(arrays), reference, name)
+    sweep = run_locality_sweep(config, arrays, artifact, strengths, top_k=top_k, gauge=gauge)
+    rate = rate_label(config.request_rate)
+    requests = requests_per_policy(sweep.comparisons[0])
+    typer.echo(f"locality dial, {source}, {rate} req/s, {config.duration_s:g} s,"
+               f" {requests} requests per policy")
+    typer.echo(format_dial(sweep))
+    result_dir.mkdir(parents=True, exist_ok=True)
+    stem = result_dir / f"sim-locality-dial-{rate}qps"
+    doc = sweep_json(sweep, {"source": source, "duration_s": config.duration_s,
+                             "seed": config.seed})
+    stem.with_suffix(".json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    plot = plot_locality_dial(sweep, stem.with_suffix(".png"),
+                              title=f"{source}: locality dial at {rate} req/s,"
+                              f" {requests} requests per policy per point")
+    typer.echo(f"plot: {plot}")
+    typer.echo(f"numbers: {stem.with_suffix('.json')}")

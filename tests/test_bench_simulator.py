@@ -9,7 +9,6 @@ import pytest
 
 from stages.bench.arrivals import poisson_arrivals_until
 from stages.bench.expert_union import DecodeProfiles, ExpertUnion
-from stages.bench.sim_workload import build_workload, decode_permutation
 from stages.bench.simulator import SimConfig, simulate, simulate_sweep
 from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
 from stages.errors import EldrError
@@ -186,29 +185,11 @@ def test_sweep_more_load_slower_decode(arrays, artifact) -> None:
     assert high["distinct_experts_per_layer"] > low["distinct_experts_per_layer"]
 
 
-def test_shuffled_decode_profiles_are_a_permutation(arrays) -> None:
-    kw = dict(
-        request_rate=40.0, duration_s=10.0, num_prefill=2, prefill_routing="least_loaded",
-        output_tokens=None, max_output_tokens=48, seed=3, artifact=None,
-    )
-    plain = build_workload(arrays, COST, **kw)
-    shuffled = build_workload(arrays, COST, shuffle_decode=True, **kw)
-    assert np.array_equal(plain.decode_rows, plain.rows)
-    # The same requests and prompts; each dataset row decodes as one other row, all rows used.
-    assert np.array_equal(shuffled.rows, plain.rows)
-    assert np.array_equal(shuffled.prefill_end_s, plain.prefill_end_s)
-    perm = decode_permutation(len(arrays), 3)
-    assert np.array_equal(np.sort(perm), np.arange(len(arrays)))
-    assert np.array_equal(shuffled.decode_rows, perm[plain.rows])
-    assert (shuffled.decode_rows != shuffled.rows).mean() > 0.9
-    assert np.array_equal(shuffled.output_tokens, arrays.output_tokens[perm[plain.rows]])
-
-
 def test_batch_aware_policy_does_no_harm_without_locality(arrays, artifact) -> None:
     balancers = ("rr", "jsq", "random", "p2c")
     config = _config(
         policies=("eldr-union", *balancers), request_rate=40.0, duration_s=20.0,
-        shuffle_decode=True,
+        locality_blend=1.0,
     )
     results = simulate(config, arrays, artifact, top_k=SPEC.top_k)
     union = results["eldr-union"].metrics

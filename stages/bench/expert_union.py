@@ -40,7 +40,8 @@ class DecodeProfiles:
         self._decode = decode_counts
         self._prefill = prefill_counts
         self._top_k = top_k
-        per_layer = decode_counts.sum(axis=2, dtype=np.int64)  # [N, L]
+        # float64: exact for integer counts, and a locality blend's are fractional.
+        per_layer = decode_counts.sum(axis=2, dtype=np.float64)  # [N, L]
         self._needs_fallback = (per_layer == 0).any(axis=1)
         self._scale = (top_k / np.maximum(per_layer, 1))[:, :, None]  # [N, L, 1]
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from stages.bench.report import RATIO_KEYS
 from stages.bench.results import ComparisonResult, PolicyResult, rate_label
+
+if TYPE_CHECKING:
+    from stages.bench.locality_sweep import LocalitySweep
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -21,8 +26,14 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-# Policies whose curves coincide (rr and jsq at low load) stay visible: each gets its own dash.
+# Policies whose curves coincide (rr and jsq at low load) stay visible: each gets its own dash
+# and, where points are drawn, its own marker.
 _STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X")
+
+
+def _style(i: int) -> dict[str, object]:
+    return {"linestyle": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)]}
 
 
 def plot_tpot_distribution(
@@ -66,7 +77,7 @@ def plot_rate_sweep(sweep: Sequence[ComparisonResult], path: Path, title: str = 
                 if name in c.results
             ]
             xs, ys = zip(*points, strict=True) if points else ((), ())
-            ax.plot(xs, ys, marker="o", linestyle=_STYLES[i % len(_STYLES)], label=name)
+            ax.plot(xs, ys, label=name, **_style(i))
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -75,24 +86,89 @@ def plot_rate_sweep(sweep: Sequence[ComparisonResult], path: Path, title: str = 
     return _save(fig, path)
 
 
+def _requests(comparison: ComparisonResult) -> str:
+    counts = sorted({len(r.table) for r in comparison.results.values()})
+    span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"{span} requests per policy"
+
+
 def write_plots(
     sweep: Sequence[ComparisonResult], result_dir: Path, source: str, prefix: str = ""
 ) -> list[Path]:
     """One TPOT distribution per rate; the rate sweep when two or more finite rates ran.
 
-    ``source`` says where the numbers come from (live proxy or simulated cluster, its shape);
-    it heads every title, so a live plot is never mistaken for a simulated one.
+    ``source`` says where the numbers come from (live or simulated, the cluster's shape, the
+    cost model); it heads every title, with the request counts, so a live plot is never
+    mistaken for a simulated one.
     """
     result_dir = Path(result_dir)
     paths = [
         plot_tpot_distribution(
             c.results,
             result_dir / f"{prefix}tpot-{rate_label(c.request_rate)}qps.png",
-            title=f"{source}\nTPOT at {rate_label(c.request_rate)} req/s",
+            title=f"{source}\nTPOT at {rate_label(c.request_rate)} req/s, {_requests(c)}",
         )
         for c in sweep
     ]
-    if sum(math.isfinite(c.request_rate) for c in sweep) >= 2:
-        paths.append(plot_rate_sweep(sweep, result_dir / f"{prefix}rate-sweep.png",
-                                     title=f"{source}: policies against request rate"))
+    finite = sorted((c for c in sweep if math.isfinite(c.request_rate)),
+                    key=lambda c: c.request_rate)
+    if len(finite) >= 2:
+        counts = ", ".join(
+            f"{len(next(iter(c.results.values())).table)} at {rate_label(c.request_rate)}"
+            for c in finite
+        )
+        paths.append(plot_rate_sweep(
+            sweep, result_dir / f"{prefix}rate-sweep.png",
+            title=f"{source}: policies against request rate\nrequests per policy: {counts}"
+            " req/s",
+        ))
     return paths
+
+
+def plot_locality_dial(sweep: LocalitySweep, path: Path, title: str = "") -> Path:
+    """TPOT p50 and p99 over the best load balancer against the locality dial and, when the
+    sweep has one, the agreement curve that places the user's data on it (a vertical line in
+    every panel)."""
+    panels = 3 if sweep.curve else 2
+    fig = Figure(figsize=(4.7 * panels, 4.4), layout="constrained")
+    axes = list(fig.subplots(1, panels))
+    xs = list(sweep.strengths)
+    for ax, (key, label) in zip(axes[:2], RATIO_KEYS, strict=True):
+        for i, (name, ys) in enumerate(sweep.ratios(key).items()):
+            ax.plot(xs, ys, label=name, **_style(i))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel(f"{label} / best load balancer's")
+    axes[0].legend(fontsize=8)
+    mark = sweep.mark
+    if sweep.curve:
+        ax_a = axes[2]
+        strengths = np.array([s for s, _ in sweep.curve])
+        value = np.array([a.reduction for _, a in sweep.curve])
+        lo, hi = (np.array([a.interval[j] for _, a in sweep.curve]) for j in (0, 1))
+        ax_a.fill_between(strengths, lo, hi, color="tab:blue", alpha=0.2,
+                          label="95% interval")
+        ax_a.plot(strengths, value, color="tab:blue", label="blended simulated dataset")
+        swept = np.isin(strengths, xs)
+        ax_a.plot(strengths[swept], value[swept], "o", color="tab:blue",
+                  label="swept strengths")
+        ax_a.axhline(0.0, color="black", linewidth=0.8)
+        if mark is not None:
+            ax_a.axhline(mark.agreement, color="tab:red", linewidth=1.0, linestyle="--",
+                         label=f"{mark.source}: {mark.agreement:.3f}")
+        ax_a.set_ylabel(f"held-out distinct-expert reduction, batch {sweep.batch}")
+        ax_a.legend(fontsize=8, loc="center right")
+    for ax in axes:
+        ax.set_xlabel("locality blend s (0 = own decode, 1 = another request's)")
+        ax.set_xlim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    if mark is not None:
+        # The mark's label sits beside its line, on the side with room.
+        right = mark.strength < 0.7
+        for ax in axes:
+            ax.axvline(mark.strength, color="tab:red", linewidth=1.2, linestyle="--")
+            ax.annotate(f"your data: s = {mark.strength:.2f}", (mark.strength, 0.98),
+                        xycoords=("data", "axes fraction"), xytext=(4 if right else -4, 0),
+                        textcoords="offset points", ha="left" if right else "right",
+                        va="top", fontsize=8, color="tab:red")
+    fig.suptitle(title or "policies against the locality dial")
+    return _save(fig, path)

@@ -100,3 +100,18 @@ def save_comparison(comparison: ComparisonResult, result_dir: Path) -> list[Path
         path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
         paths.append(path)
     return paths
+
+
+def live_shape(info: dict[str, object]) -> str:
+    """``1P2D`` from a live comparison's proxy state (each policy's snapshot lists the
+    workers); the side the proxy did not report is left out."""
+    states = info.get("proxy_state")
+    state = next(iter(states.values()), None) if isinstance(states, dict) and states else None
+    shape = ""
+    for key, letter in (("prefill_workers", "P"), ("decode_workers", "D")):
+        workers = state.get(key) if isinstance(state, dict) else None
+        if key == "decode_workers" and not workers:
+            workers = info.get("decode_urls")
+        if isinstance(workers, list) and workers:
+            shape += f"{len(workers)}{letter}"
+    return shape

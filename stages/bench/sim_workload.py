@@ -3,10 +3,8 @@
 Arrivals are Poisson over the run; each request is a dataset row drawn with replacement (its
 prompt length, prefill signature and decode profile); prefill is policy independent (P
 workers, FIFO, one request at a time), so prefill completion times are computed once here.
-
-With ``shuffle_decode`` (the no-locality control) each dataset row's decode profile and output
-length are another row's, by a seeded permutation of the rows: the prefill signature then
-predicts nothing about decode, while the decode profiles the cluster runs stay the same set.
+How much a row's prefill says about its decode is the dataset's business: the simulator blends
+it first for the locality dial (``locality_blend``).
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class RoutingArtifact(Protocol):
 @dataclass(frozen=True)
 class Workload:
     arrival_s: np.ndarray  # float64 [N], sorted
-    rows: np.ndarray  # int64 [N], dataset row of each request (prompt, prefill signature)
-    decode_rows: np.ndarray  # int64 [N], dataset row of its decode profile and output length
+    rows: np.ndarray  # int64 [N], dataset row of each request
     prompt_tokens: np.ndarray  # int64 [N]
     output_tokens: np.ndarray  # int64 [N], >= 2
     prefill_end_s: np.ndarray  # float64 [N]: prefill done, first token out
@@ -97,11 +94,6 @@ def route_features(
     return np.concatenate(parts).astype(np.float32), inverse.astype(np.int64)
 
 
-def decode_permutation(num_rows: int, seed: int) -> np.ndarray:
-    """Row ``i``'s decode profile is row ``perm[i]``'s (a stream apart from the others')."""
-    return np.random.default_rng([seed, 3]).permutation(num_rows)
-
-
 def build_workload(
     arrays: SignatureArrays,
     cost: CostModel,
@@ -114,7 +106,6 @@ def build_workload(
     max_output_tokens: int,
     seed: int,
     artifact: RoutingArtifact | None,
-    shuffle_decode: bool = False,
 ) -> Workload:
     if len(arrays) == 0:
         raise EldrError("the signature dataset is empty")
@@ -122,18 +113,14 @@ def build_workload(
     rng = np.random.default_rng([seed, 1])  # a stream apart from the arrivals'
     rows = rng.integers(0, len(arrays), size=arrival.size)
     prompt = np.maximum(arrays.prompt_tokens[rows].astype(np.int64), 1)
-    decode_rows = rows
-    if shuffle_decode:
-        decode_rows = decode_permutation(len(arrays), seed)[rows]
     features, feature_rows = (None, np.zeros(rows.size, dtype=np.int64))
     if artifact is not None:
         features, feature_rows = route_features(arrays, rows, artifact)
     return Workload(
         arrival_s=arrival,
         rows=rows,
-        decode_rows=decode_rows,
         prompt_tokens=prompt,
-        output_tokens=output_lengths(arrays, decode_rows, output_tokens, max_output_tokens),
+        output_tokens=output_lengths(arrays, rows, output_tokens, max_output_tokens),
         prefill_end_s=prefill_schedule(arrival, prompt, cost, num_prefill, prefill_routing),
         feature_rows=feature_rows,
         features=features,

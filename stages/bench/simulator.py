@@ -6,6 +6,8 @@ counts and the request's prefill signature (raw and transformed; all-zero counts
 signature", as in the proxy) -> after the KV transfer it queues on
 that worker -> joins the running batch at the next step boundary while the batch has room
 (continuous batching, ``max_batch``) -> one token per step until its output is complete.
+With ``locality_blend`` s > 0 the dataset's decode profiles are first blended with other
+requests' (``locality_blend``: s = 1 is the no-locality control).
 
 A step's time comes from the cost model with the batch size and the distinct experts the batch
 activates that step (``expert_union``, from the requests' decode profiles). Token timing
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from stages.bench.expert_union import DecodeProfiles, ExpertUnion
+from stages.bench.locality_blend import blend_decode, check_strength
 from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import ComparisonResult, PolicyResult
 from stages.bench.sim_workload import RoutingArtifact, Workload, build_workload
@@ -63,8 +66,8 @@ class SimConfig:
     tau: float = DEFAULT_TAU
     epsilon: float = DEFAULT_EPSILON
     step_noise: bool = True  # per-step spread of the distinct-expert count
-    # No-locality control: decode profiles permuted across requests (``sim_workload``).
-    shuffle_decode: bool = False
+    # The locality dial: 0 = the dataset's own decode, 1 = another request's (no locality).
+    locality_blend: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +84,7 @@ class SimConfig:
             raise EldrError(f"warm-up must be in [0, duration), got {self.warmup_s}")
         if self.kv_transfer_s < 0:
             raise EldrError("KV transfer time must be >= 0")
+        check_strength(self.locality_blend)
 
 
 @dataclass
@@ -193,7 +197,7 @@ class _Run:
         joined = []
         while dec.queue and dec.batch < self.cfg.max_batch:
             r = dec.queue.popleft()
-            lm = self.profiles.log_complement(int(self.wl.decode_rows[r]))
+            lm = self.profiles.log_complement(int(self.wl.rows[r]))
             self.log_miss[r] = lm
             dec.union.add(lm)
             dec.batch += 1
@@ -323,6 +327,7 @@ def simulate(
     _check_inputs(config, arrays, artifact)
     if top_k < 1:
         raise EldrError(f"top_k must be >= 1, got {top_k}")
+    arrays = blend_decode(arrays, config.locality_blend, config.seed, top_k)
     workload = build_workload(
         arrays,
         config.cost,
@@ -334,7 +339,6 @@ def simulate(
         max_output_tokens=config.max_output_tokens,
         seed=config.seed,
         artifact=artifact,
-        shuffle_decode=config.shuffle_decode,
     )
     if not (workload.arrival_s >= config.warmup_s).any():
         raise EldrError("no request arrives after the warm-up; raise the rate or the duration")

@@ -116,7 +116,7 @@ class SignatureArrays:
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
     prefill_counts: np.ndarray  # int32 [N, L, E]
-    decode_counts: np.ndarray  # int32 [N, L, E]
+    decode_counts: np.ndarray  # int32 [N, L, E]; float64 in a locality blend (stages.bench)
 
     def __len__(self) -> int:
         return len(self.ids)
