@@ -36,8 +36,9 @@ def fit(
     centroid should buy per decode step on held-out requests, and the TPOT change it predicts."""
     from stages.errors import EldrError
     from stages.fit.artifact import ArtifactStore
+    from stages.fit.fit_plot import plot_fit
     from stages.fit.gain_report import gain_lines
-    from stages.fit.pipeline import FitConfig, fit_artifact, plot_fit
+    from stages.fit.pipeline import FitConfig, fit_artifact
     from stages.routing.cost_model import cost_model_for
     from stages.signature.dataset import SignatureDataset
 

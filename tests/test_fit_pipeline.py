@@ -9,7 +9,8 @@ import pytest
 
 from stages.errors import EldrError
 from stages.fit.artifact import ArtifactStore
-from stages.fit.pipeline import FitConfig, distinct_experts_per_layer, fit_artifact, plot_fit
+from stages.fit.fit_plot import plot_fit
+from stages.fit.pipeline import FitConfig, distinct_experts_per_layer, fit_artifact
 from stages.signature.dataset import ModelIdentity
 
 IDENTITY = ModelIdentity(name="tiny-moe", num_layers=6, num_experts=16, top_k=2)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -211,71 +210,6 @@ def holdout_metrics(
         out["same_cluster_distinct_experts_per_layer"] = same
         out["distinct_experts_reduction"] = 1.0 - same / rand
     return out
-
-
-def plot_fit(artifact: Artifact, path: Path) -> Path:
-    """PNG: cluster sizes, rho along the layer-mask search, held-out distinct experts."""
-    # Figure + Agg canvas directly: no pyplot global state, works without a display.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    metrics = artifact.metrics
-    fig = Figure(figsize=(13, 3.8), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax_sizes, ax_rho, ax_experts = fig.subplots(1, 3)
-
-    sizes = metrics.get("cluster_sizes", [])
-    ax_sizes.bar(range(len(sizes)), sizes, color="tab:blue")
-    ax_sizes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_sizes.set(
-        title="training cluster sizes", xlabel="cluster (decode worker)", ylabel="requests"
-    )
-
-    trace = metrics.get("rho_trace", [])
-    ax_rho.plot(range(1, len(trace) + 1), trace, marker="o", color="tab:green")
-    ax_rho.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_rho.set(
-        title="layer-mask search (stops at the peak)",
-        xlabel="layers in mask",
-        ylabel="Spearman rho (signature vs decode)",
-    )
-
-    _plot_gain(ax_experts, metrics.get("expected_gain", {}))
-    fig.suptitle(f"eldr artifact {artifact.version}: {artifact.identity.describe()}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def _plot_gain(ax: Any, gain: dict[str, Any]) -> None:
-    """Same-cluster vs random distinct experts per step at each estimated batch size, the
-    change and its interval written above each pair."""
-    rows = [r for r in gain.get("batches", []) if "change" in r]
-    if not rows:
-        ax.set_axis_off()
-        ax.text(0.5, 0.5, "too few held-out requests per cluster\nto estimate the gain",
-                ha="center", va="center")
-        return
-    where = np.arange(len(rows))
-    same = [r["same_cluster_distinct_experts_per_layer"] for r in rows]
-    rand = [r["random_distinct_experts_per_layer"] for r in rows]
-    ax.bar(where - 0.2, same, 0.4, label="same cluster (ELDR)", color="tab:orange")
-    ax.bar(where + 0.2, rand, 0.4, label="random (load balancer)", color="tab:gray")
-    for x, r, top in zip(where, rows, np.maximum(same, rand), strict=True):
-        lo, hi = r["change_ci"]
-        ax.annotate(f"{r['change']:+.1%}\n[{lo:+.1%}, {hi:+.1%}]", (x, top), ha="center",
-                    va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
-    ax.set_xticks(where, [str(r["batch_size"]) for r in rows])
-    ax.set_ylim(0, 1.25 * max(max(same), max(rand)))
-    ax.legend(loc="upper left", fontsize=8)
-    level = round(100 * gain["confidence"])
-    ax.set(
-        title=f"one decode step, {gain['num_holdout']} held out ({level}% CI)",
-        xlabel="decode batch size",
-        ylabel="expected distinct experts per layer",
-    )
 
 
 def _checked_counts(
