@@ -8,17 +8,18 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from eldr_cli.options import SeedOption
+from eldr_cli.options import PolicyConfigOption, SeedOption, policy_config
 from stages import paths
 from stages.errors import EldrError
-from stages.routing.policies import needs_centroids
+from stages.routing.policies import POLICIES, needs_centroids
+from stages.routing.policy_config import PolicyConfig
 
 if TYPE_CHECKING:
     from stages.bench.simulator import SimConfig
     from stages.fit.artifact import Artifact
     from stages.signature.dataset import SignatureArrays, SignatureDataset
 
-ALL_POLICIES = "eldr,eldr-bl,eldr-union,rr,jsq,random,p2c"
+ALL_POLICIES = ",".join(POLICIES)
 
 
 def _live_rates(text: str) -> list[float]:
@@ -27,12 +28,11 @@ def _live_rates(text: str) -> list[float]:
     return resolve_rates(parse_rates(text), None)
 
 
-
-
 def bench(
     url: Annotated[str, typer.Option(help="The eldr proxy.")] = paths.DEFAULT_PROXY_URL,
     policies: Annotated[str, typer.Option(help="Policies to compare, comma separated.")]
     = ALL_POLICIES,
+    policy_options: PolicyConfigOption = None,
     prompts: Annotated[Path | None, typer.Option(
         help="JSONL prompts. Default: the bundled evaluation split.", show_default=False)] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests per policy (per rate).", min=1)]
@@ -88,14 +88,15 @@ def bench(
     result_dir = result_dir or paths.default_result_dir()
     prompts_path = prompts or paths.EVALUATION_PROMPTS
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
+    options = policy_config(policy_options)
     if simulate:
         _simulate(data, store, names, request_rate, prefill, decode, duration, cost,
-                  output_tokens, result_dir, seed, locality_blend, locality_reference)
+                  output_tokens, result_dir, seed, locality_blend, locality_reference, options)
     elif engine_cost:
         _engine_cost(url, prompts_path, result_dir, seed)
     else:
         _live(url, names, prompts_path, num_prompts, _live_rates(request_rate), max_concurrency,
-              max_tokens, rounds, result_dir, seed)
+              max_tokens, rounds, result_dir, seed, options)
 
 
 def _num_layers() -> int | None:
@@ -112,7 +113,7 @@ def _num_layers() -> int | None:
 
 def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
           rates: list[float], max_concurrency: int | None, max_tokens: int, rounds: int,
-          result_dir: Path, seed: int) -> None:
+          result_dir: Path, seed: int, options: PolicyConfig) -> None:
     from stages.bench.loadgen import BenchConfig, run_rate_sweep
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
@@ -122,6 +123,7 @@ def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
         url=url.rstrip("/"), policies=policies, prompts_path=prompts, num_prompts=num_prompts,
         request_rate=rates[0], max_concurrency=max_concurrency, seed=seed,
         result_dir=result_dir, max_tokens=max_tokens, rounds=rounds, num_layers=_num_layers(),
+        policy_config=options,
     )
     sweep = run_rate_sweep(config, rates)
     for comparison in sweep:
@@ -166,7 +168,7 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
 def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
               request_rate: str, prefill: int, decode: int, duration: float, cost: str,
               output_tokens: int | None, result_dir: Path, seed: int, locality_blend: str,
-              locality_reference: Path | None) -> None:
+              locality_reference: Path | None, options: PolicyConfig) -> None:
     from stages.bench.capacity import cluster_capacity, parse_rates, resolve_rates
     from stages.bench.locality_sweep import parse_strengths
     from stages.bench.plots import write_plots
@@ -193,7 +195,7 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
     base = SimConfig(cost=model, num_prefill=prefill, num_decode=decode, duration_s=duration,
                      policies=policies, output_tokens=output_tokens,
                      max_output_tokens=max(512, output_tokens or 0), seed=seed,
-                     locality_blend=strengths[0])
+                     locality_blend=strengths[0], policy_config=options)
     capacity = None
     if any(s.of_capacity for s in specs):
         capacity = cluster_capacity(

@@ -9,11 +9,16 @@ from typing import Annotated
 
 import typer
 
-from eldr_cli.options import EagerOption, ModelOption, SeedOption
+from eldr_cli.options import (
+    EagerOption,
+    ModelOption,
+    PolicyConfigOption,
+    SeedOption,
+    policy_config,
+)
 from stages import paths
 from stages.errors import EldrError
-from stages.routing.policies import needs_centroids
-from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policies import POLICIES, needs_centroids
 
 
 def serve(
@@ -25,14 +30,10 @@ def serve(
         show_default=False)] = None,
     prefill: Annotated[int, typer.Option(help="Prefill workers to start.", min=1)] = 1,
     decode: Annotated[int, typer.Option(help="Decode workers to start.", min=1)] = 2,
-    policy: Annotated[str, typer.Option(help="Decode routing: eldr (the paper's rule), eldr-bl"
-                                        " (ELDR with bounded loads), rr, jsq, random, p2c.")]
+    policy: Annotated[str, typer.Option(help=f"Decode routing: {', '.join(POLICIES)} (README:"
+                                        " which policy). The admin API switches it later.")]
     = "eldr",
-    tau: Annotated[float, typer.Option(help="Locality band width for --policy eldr (0: nearest"
-                                       " centroid only, 1: pure join-shortest-queue).")] = 0.1,
-    epsilon: Annotated[float, typer.Option(help="For --policy eldr-bl: a worker takes a request"
-                                           " while its in-flight count stays within (1 +"
-                                           " epsilon) x the mean.", min=0.0)] = DEFAULT_EPSILON,
+    policy_options: PolicyConfigOption = None,
     artifact: Annotated[str, typer.Option(help="Artifact version from `eldr fit` (or 'latest').")]
     = "latest",
     store: Annotated[Path | None, typer.Option(help="Artifact store. Default: $ELDR_HOME/"
@@ -99,6 +100,7 @@ def serve(
 
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         raise EldrError(f"--log-level {log_level!r}: use debug, info, warning or error")
+    options = policy_config(policy_options)
     extra_args = engine_args(vllm_arg or ())
     if not (attach_prefill or attach_decode):
         check_vllm()  # attached workers run their own vLLM: the self-check covers them
@@ -156,7 +158,7 @@ def serve(
     use_store = needs_centroids(policy) or store_path.exists()
     config = ProxyConfig(
         prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
-        tau=tau, epsilon=epsilon, artifact_store=store_path if use_store else None,
+        policy_config=options, artifact_store=store_path if use_store else None,
         artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
         decode_slots=None if attach else max_num_seqs, model_top_k=resolved.identity.top_k,
         api_key=api_key, admin_api_key=admin_api_key, worker_api_key=worker_api_key,

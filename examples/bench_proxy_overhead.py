@@ -160,7 +160,6 @@ def main() -> None:
         prefill_urls=(prefill_url,),
         decode_urls=tuple(decode_urls),
         policy="eldr",
-        tau=0.1,
         artifact_store=Path("/bench"),
         model="fake-model",
     )

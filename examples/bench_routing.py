@@ -19,6 +19,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
+from stages.routing.context import RoutingContext
 from stages.routing.policies import RoutingRequest, make_policy
 from stages.signature import wire
 from stages.signature.transform import SignatureTransform, fit_idf
@@ -62,7 +63,8 @@ def main() -> None:
     x = transform.apply(sigs)
     centroids = np.stack([x[i :: args.k].mean(axis=0) for i in range(args.k)])
     centroids /= np.linalg.norm(centroids, axis=1, keepdims=True)
-    policy = make_policy(args.policy, args.k, seed=args.seed, centroids=centroids, tau=args.tau)
+    context = RoutingContext(args.k, seed=args.seed, centroids=centroids)
+    policy = make_policy(args.policy, context, {"tau": args.tau})
     eligible = np.ones(args.k, bool)
     loads_pool = rng.integers(0, 12, size=(distinct, args.k))
     packed = [wire.encode(s) for s in sigs]

@@ -67,7 +67,7 @@ def main() -> None:
     sigs = synthetic_signatures(spec).prefill_counts
     identity = ModelIdentity("synthetic", args.layers, args.experts, args.top_k)
     artifact = IdentityOnly("bench", np.eye(args.workers, dtype=np.float32), None, identity)
-    router = DecodeRouter(args.workers, "eldr-union", 0.1, artifact, seed=args.seed)
+    router = DecodeRouter(args.workers, "eldr-union", artifact, seed=args.seed)
     packed = [wire.encode(s) for s in sigs]
     eligible = np.ones(args.workers, bool)
     loads = np.zeros(args.workers, np.int64)

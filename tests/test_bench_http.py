@@ -31,6 +31,7 @@ from stages.bench.plots import write_plots
 from stages.bench.report import format_comparison
 from stages.prompts import Prompt
 from stages.routing.cost_model import CostModel
+from stages.routing.policy_config import PolicyConfig
 
 LAYERS = 4
 EXPERTS_PER_LAYER = {"eldr": 3.0, "rr": 7.0, "jsq": 6.0}
@@ -65,6 +66,7 @@ class FakeProxy:
     def __init__(self) -> None:
         self.policy = "jsq"
         self.switches: list[str] = []
+        self.switch_configs: list[dict | None] = []  # the options sent with each switch
         self.served: list[tuple[str, str, str]] = []  # (request id, policy, prompt)
         self.bodies: list[dict] = []
         self.steps = 0.0
@@ -84,18 +86,20 @@ class FakeProxy:
         return JSONResponse(
             {
                 "policy": self.policy,
-                "tau": 0.1,
+                "config": {},
                 "artifact_version": "v1",
                 "decode_workers": [{"url": str(request.base_url).rstrip("/"), "inflight": 0}],
             }
         )
 
     async def set_policy(self, request: Request) -> Response:
-        name = (await request.json())["policy"]
+        body = await request.json()
+        name = body["policy"]
         if name not in EXPERTS_PER_LAYER:
             return JSONResponse({"error": "unknown policy"}, status_code=400)
         self.policy = name
         self.switches.append(name)
+        self.switch_configs.append(body.get("config"))
         return JSONResponse({"policy": name})
 
     async def completions(self, request: Request) -> Response:
@@ -173,11 +177,14 @@ def test_comparison_against_fake_proxy(tmp_path: Path) -> None:
             num_layers=LAYERS,
             scrape_settle_s=0.0,
             show_progress=False,
+            policy_config=PolicyConfig.from_mapping({"eldr": {"tau": 0.05}}),
         )
         comparison = run_policy_comparison(config)
 
-    # Switched per segment in rotated order, then restored to the proxy's original policy.
+    # Switched per segment in rotated order, then restored to the proxy's original policy;
+    # a policy's options go with every switch to it.
     assert fake.switches == ["eldr", "rr", "rr", "eldr", "jsq"]
+    assert fake.switch_configs == [{"tau": 0.05}, None, None, {"tau": 0.05}, None]
     # Every request was served under the policy it is attributed to, and each policy saw the
     # same prompts.
     by_policy: dict[str, list[str]] = {"eldr": [], "rr": []}

@@ -57,6 +57,16 @@ def test_serve_mixtral_without_weights_names_the_bundled_model(tmp_path: Path) -
     assert "Traceback" not in result.stderr
 
 
+def test_bad_policy_config_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    for command in ("serve", "bench"):
+        result = run_eldr(command, "--policy-config", '{"eldr": {"tau": 2}}', home=tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == (
+            "eldr: --policy-config: policy 'eldr': tau must be a finite number >= 0 and <= 1,"
+            " got 2.0"
+        )
+
+
 def test_fit_without_dataset_says_to_capture(tmp_path: Path) -> None:
     result = run_eldr("fit", "--k", "20", "--balanced", home=tmp_path)
     assert result.returncode == 2
@@ -289,7 +299,18 @@ def test_serve_on_an_open_address_without_a_key_warns(
     ("args", "message"),
     [
         (["--policy", "eldrr"], "unknown policy 'eldrr'"),
-        (["--policy", "rr", "--tau", "-1"], "tau must be a finite number >= 0"),
+        (["--policy", "rr", "--policy-config", '{{"eldr": {{"tau": -1}}}}'],
+         "--policy-config: policy 'eldr': tau must be a finite number >= 0"),
+        (["--policy", "rr", "--policy-config", "{{tau: 1}}"], "--policy-config: the policy config"
+         " is not JSON"),
+        (["--policy", "rr", "--policy-config", '{{"eldr-b": {{}}}}'],
+         "--policy-config: unknown policy 'eldr-b'"),
+        (["--policy", "rr", "--policy-config", '{{"eldr-bl": {{"eps": 0.3}}}}'],
+         "--policy-config: policy 'eldr-bl' has no option 'eps' (its options: epsilon, tau)"),
+        (["--policy", "rr", "--policy-config", '{{"eldr-bl": {{"epsilon": "0.3"}}}}'],
+         "--policy-config: policy 'eldr-bl': epsilon must be a number"),
+        (["--policy", "rr", "--policy-config", '{{"rr": {{"tau": 0.1}}}}'],
+         "--policy-config: policy 'rr' has no option 'tau' (its options: none)"),
         (["--policy", "rr", "--port", "{busy}"], "--port: port {busy} on 127.0.0.1 is not free"),
         (["--policy", "rr", "--worker-port", "{busy}"], "--worker-port: port {busy}"),
         (["--policy", "rr", "--nixl-port", "{busy}"], "--nixl-port: port {busy}"),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from stages.errors import EldrError
+from stages.routing.context import RoutingContext
 from stages.routing.policies import RoutingRequest, make_policy
 from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
 
@@ -61,7 +62,7 @@ def test_a_dead_workers_clusters_move_to_the_most_similar_survivors_and_come_bac
 
 def test_requests_of_a_dead_workers_cluster_reach_a_survivor_and_return_after() -> None:
     centroids = families(2, 10, seed=3)
-    policy = make_policy("eldr", 2, centroids=centroids, tau=0.0)
+    policy = make_policy("eldr", RoutingContext(2, centroids=centroids), {"tau": 0.0})
     loads = np.zeros(2, np.int64)
     home = [policy.choose(RoutingRequest(loads, np.ones(2, bool), c)) for c in centroids]
     assert list(home) == list(policy.worker_of_centroid)

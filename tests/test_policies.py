@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from stages.errors import EldrError
+from stages.routing.context import RoutingContext
 from stages.routing.policies import (
     POLICIES,
+    EldrBoundedParams,
     EldrBoundedPolicy,
     EldrPolicy,
     RoutingRequest,
@@ -35,6 +37,7 @@ def unit(v) -> np.ndarray:
 
 # Four orthogonal centroids: similarity to centroid k is just feature component k.
 EYE4 = np.eye(4, dtype=np.float32)
+EYE2 = np.eye(2, dtype=np.float32)
 
 
 # --- registry ---
@@ -42,40 +45,40 @@ EYE4 = np.eye(4, dtype=np.float32)
 
 def test_registry_names_every_policy() -> None:
     assert set(POLICIES) == {"eldr", "eldr-bl", "eldr-union", "rr", "jsq", "random", "p2c"}
-    assert isinstance(make_policy("rr", 3), RoundRobinPolicy)
-    assert isinstance(make_policy("jsq", 3), JsqPolicy)
-    assert isinstance(make_policy("random", 3), RandomPolicy)
-    assert isinstance(make_policy("p2c", 3), PowerOfTwoPolicy)
-    assert isinstance(make_policy("eldr", 4, centroids=EYE4), EldrPolicy)
-    assert isinstance(make_policy("eldr-bl", 4, centroids=EYE4), EldrBoundedPolicy)
+    assert isinstance(make_policy("rr", RoutingContext(3)), RoundRobinPolicy)
+    assert isinstance(make_policy("jsq", RoutingContext(3)), JsqPolicy)
+    assert isinstance(make_policy("random", RoutingContext(3)), RandomPolicy)
+    assert isinstance(make_policy("p2c", RoutingContext(3)), PowerOfTwoPolicy)
+    assert isinstance(make_policy("eldr", RoutingContext(4, centroids=EYE4)), EldrPolicy)
+    assert isinstance(make_policy("eldr-bl", RoutingContext(4, centroids=EYE4)), EldrBoundedPolicy)
     assert [name for name in POLICIES if needs_centroids(name)] == ["eldr", "eldr-bl"]
 
 
 def test_registry_errors() -> None:
     with pytest.raises(EldrError, match="unknown policy"):
-        make_policy("nope", 3)
+        make_policy("nope", RoutingContext(3))
     with pytest.raises(EldrError, match="needs centroids"):
-        make_policy("eldr", 4)
+        make_policy("eldr", RoutingContext(4))
     with pytest.raises(EldrError, match="4 centroids for 5 decode workers"):
-        make_policy("eldr", 5, centroids=EYE4)
+        make_policy("eldr", RoutingContext(5, centroids=EYE4))
     with pytest.raises(EldrError, match="tau"):
-        make_policy("eldr", 4, centroids=EYE4, tau=-0.1)
+        make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": -0.1})
     with pytest.raises(EldrError):
-        make_policy("rr", 0)
+        make_policy("rr", RoutingContext(0))
 
 
 # --- baselines ---
 
 
 def test_round_robin_cycles_and_skips_ineligible() -> None:
-    p = make_policy("rr", 4)
+    p = make_policy("rr", RoutingContext(4))
     assert [p.choose(req([0, 0, 0, 0])) for _ in range(5)] == [0, 1, 2, 3, 0]
     mask = [True, False, True, True]
     assert [p.choose(req([0] * 4, mask)) for _ in range(4)] == [2, 3, 0, 2]
 
 
 def test_jsq_picks_least_loaded_with_random_ties() -> None:
-    p = make_policy("jsq", 4, seed=1)
+    p = make_policy("jsq", RoutingContext(4, seed=1))
     assert p.choose(req([3, 1, 2, 5])) == 1
     picks = Counter(p.choose(req([1, 0, 0, 0], [True, True, False, True])) for _ in range(200))
     assert set(picks) == {1, 3}  # both tied workers, never the ineligible one
@@ -83,15 +86,15 @@ def test_jsq_picks_least_loaded_with_random_ties() -> None:
 
 
 def test_random_only_eligible_and_covers_them() -> None:
-    p = make_policy("random", 5, seed=2)
+    p = make_policy("random", RoutingContext(5, seed=2))
     picks = Counter(p.choose(req([0] * 5, [True, False, True, True, False])) for _ in range(300))
     assert set(picks) == {0, 2, 3}
 
 
 def test_p2c_keeps_the_less_loaded_of_two() -> None:
-    p = make_policy("p2c", 2, seed=3)
+    p = make_policy("p2c", RoutingContext(2, seed=3))
     assert all(p.choose(req([5, 1])) == 1 for _ in range(50))
-    p3 = make_policy("p2c", 3, seed=3)
+    p3 = make_policy("p2c", RoutingContext(3, seed=3))
     # The most loaded of three can never win a pairwise comparison.
     assert all(p3.choose(req([1, 9, 0])) != 1 for _ in range(100))
     assert all(p3.choose(req([0, 0, 0], [False, True, False])) == 1 for _ in range(10))
@@ -101,7 +104,8 @@ def test_p2c_keeps_the_less_loaded_of_two() -> None:
 
 def test_seeded_policies_are_reproducible() -> None:
     for name in ("jsq", "random", "p2c"):
-        a, b = make_policy(name, 6, seed=7), make_policy(name, 6, seed=7)
+        context = RoutingContext(6, seed=7)
+        a, b = make_policy(name, context), make_policy(name, context)
         r = req([0, 0, 1, 0, 0, 1])
         assert [a.choose(r) for _ in range(30)] == [b.choose(r) for _ in range(30)]
 
@@ -110,36 +114,36 @@ def test_seeded_policies_are_reproducible() -> None:
 
 
 def test_eldr_tau0_is_nearest_centroid_whatever_the_load() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0)
+    p = make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": 0.0})
     f = unit([0.1, 0.2, 0.9, 0.3])
     assert p.choose(req([0, 0, 50, 0], features=f)) == 2
 
 
 def test_eldr_band_picks_least_loaded_candidate() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4, tau=0.1)
+    p = make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": 0.1})
     f = unit([0.70, 0.66, 0.1, 0.0])  # s0 and s1 within 0.1 of each other; s2, s3 far
     assert p.choose(req([4, 2, 0, 0], features=f)) == 1
     assert p.choose(req([1, 2, 0, 0], features=f)) == 0
 
 
 def test_eldr_ties_go_to_lowest_index() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4, tau=0.1)
+    p = make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": 0.1})
     f = unit([0.0, 0.70, 0.0, 0.68])
     assert p.choose(req([0, 1, 0, 1], features=f)) == 1
 
 
 def test_eldr_single_candidate_admits_second_best() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4, tau=0.05)
+    p = make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": 0.05})
     f = unit([0.2, 0.9, 0.0, 0.5])  # band {1} alone; runner-up is 3, not 0
     assert p.choose(req([0, 3, 0, 1], features=f)) == 3
     assert p.choose(req([0, 3, 0, 3], features=f)) == 1  # tie -> lowest index
     # tau = 0 never widens the band.
-    p0 = make_policy("eldr", 4, centroids=EYE4, tau=0.0)
+    p0 = make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": 0.0})
     assert p0.choose(req([0, 3, 0, 1], features=f)) == 1
 
 
 def test_eldr_tau1_is_join_shortest_queue() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4, tau=1.0)
+    p = make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": 1.0})
     rng = np.random.default_rng(0)
     for _ in range(50):
         f = unit(rng.random(4) + 1e-3)  # non-negative, like count x IDF features
@@ -150,17 +154,17 @@ def test_eldr_tau1_is_join_shortest_queue() -> None:
 def test_eldr_skips_ineligible_workers() -> None:
     # Cluster 2 resembles cluster 3, so while worker 2 is down worker 3 serves it.
     near = np.stack([EYE4[0], EYE4[1], unit([0, 0, 1, 0.6]), EYE4[3]])
-    p = make_policy("eldr", 4, centroids=near, tau=0.0)
+    p = make_policy("eldr", RoutingContext(4, centroids=near), {"tau": 0.0})
     f = unit([0.3, 0.2, 0.9, 0.1])
     assert p.choose(req([0, 0, 0, 0], [True, True, False, True], features=f)) == 3
     assert p.choose(req([0, 0, 0, 0], features=f)) == 2  # back up: its cluster again
-    p1 = make_policy("eldr", 4, centroids=EYE4, tau=0.1)
+    p1 = make_policy("eldr", RoutingContext(4, centroids=EYE4), {"tau": 0.1})
     only = [False, False, True, False]
     assert p1.choose(req([9, 0, 9, 0], only, features=unit([1, 0, 0, 0]))) == 2
 
 
 def test_eldr_without_features_falls_back_to_jsq() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0, seed=4)
+    p = make_policy("eldr", RoutingContext(4, centroids=EYE4, seed=4), {"tau": 0.0})
     assert p.choose(req([3, 2, 0, 1])) == 2
     picks = {p.choose(req([1, 0, 0, 1])) for _ in range(100)}
     assert picks == {1, 2}
@@ -168,7 +172,8 @@ def test_eldr_without_features_falls_back_to_jsq() -> None:
 
 def test_eldr_worker_of_centroid_permutation() -> None:
     perm = np.array([2, 0, 3, 1])  # centroid k serves worker perm[k]
-    p = make_policy("eldr", 4, centroids=EYE4, tau=0.0, worker_of_centroid=perm)
+    context = RoutingContext(4, centroids=EYE4, worker_of_centroid=perm)
+    p = make_policy("eldr", context, {"tau": 0.0})
     for k in range(4):
         assert p.choose(req([0] * 4, features=EYE4[k])) == perm[k]
     p.set_centroids(EYE4)  # back to the identity
@@ -176,7 +181,7 @@ def test_eldr_worker_of_centroid_permutation() -> None:
 
 
 def test_eldr_rejects_bad_shapes() -> None:
-    p = make_policy("eldr", 4, centroids=EYE4)
+    p = make_policy("eldr", RoutingContext(4, centroids=EYE4))
     with pytest.raises(EldrError, match="every worker at least one"):
         p.set_centroids(EYE4, np.array([0, 0, 1, 2]))
     with pytest.raises(EldrError, match="3 centroids for 4 decode workers"):
@@ -190,12 +195,12 @@ def test_eldr_rejects_bad_shapes() -> None:
 
 def test_paper_rule_is_jsq_with_two_workers() -> None:
     """The runner-up rule always fills a two-worker band, so load alone decides."""
-    p = make_policy("eldr", 2, centroids=np.eye(2, dtype=np.float32))
+    p = make_policy("eldr", RoutingContext(2, centroids=np.eye(2, dtype=np.float32)))
     assert p.choose(req([1, 0], features=unit([1, 0]))) == 1
 
 
 def test_bounded_prefers_the_best_match_within_the_load_cap() -> None:
-    p = make_policy("eldr-bl", 2, centroids=np.eye(2, dtype=np.float32))
+    p = make_policy("eldr-bl", RoutingContext(2, centroids=np.eye(2, dtype=np.float32)))
     # Loads 2 and 1 plus this request: cap ceil(1.25 * 4 / 2) = 3, worker 0 may reach 3.
     assert p.choose(req([2, 1], features=unit([1, 0]))) == 0
     # Loads 4 and 1: cap ceil(1.25 * 6 / 2) = 4; worker 0 would exceed it, so it spills.
@@ -203,19 +208,21 @@ def test_bounded_prefers_the_best_match_within_the_load_cap() -> None:
 
 
 def test_bounded_tries_band_members_by_similarity() -> None:
-    p = make_policy("eldr-bl", 4, centroids=EYE4, tau=0.5)
+    p = make_policy("eldr-bl", RoutingContext(4, centroids=EYE4), {"tau": 0.5})
     features = unit([1.0, 0.9, 0.8, 0.0])  # band: workers 0, 1, 2 (worker 3 is far)
     # Cap ceil(1.25 * 13 / 4) = 5: worker 0 (5 in flight) is over it, worker 1 is next best.
     assert p.choose(req([5, 4, 0, 3], features=features)) == 1
     # Everyone in the band over the cap (epsilon 0: cap ceil(27 / 4) = 7): the paper's
     # least-loaded pick inside the band, never the idle worker outside it.
-    strict = EldrBoundedPolicy(4, centroids=EYE4, tau=0.5, epsilon=0.0)
+    strict = EldrBoundedPolicy(
+        RoutingContext(4, centroids=EYE4), EldrBoundedParams(tau=0.5, epsilon=0.0)
+    )
     assert strict.choose(req([9, 9, 8, 0], features=features)) == 2
     assert strict.choose(req([8, 9, 9, 0], features=features)) == 0
 
 
 def test_bounded_never_picks_an_ineligible_worker() -> None:
-    p = make_policy("eldr-bl", 4, centroids=EYE4, tau=0.0)
+    p = make_policy("eldr-bl", RoutingContext(4, centroids=EYE4), {"tau": 0.0})
     picks = {
         p.choose(req([0, 0, 0, 0], [False, True, True, True], features=unit([1, 0.1, 0, 0])))
         for _ in range(10)
@@ -225,13 +232,13 @@ def test_bounded_never_picks_an_ineligible_worker() -> None:
 
 def test_bounded_rejects_bad_epsilon() -> None:
     with pytest.raises(EldrError, match="epsilon"):
-        EldrBoundedPolicy(2, centroids=np.eye(2, dtype=np.float32), epsilon=-1)
+        EldrBoundedParams(epsilon=-1)
 
 
 def test_bounded_cap_never_exceeds_the_workers_batch_size() -> None:
-    p = make_policy("eldr-bl", 2, centroids=np.eye(2, dtype=np.float32), worker_slots=8)
+    p = make_policy("eldr-bl", RoutingContext(2, centroids=EYE2, worker_slots=8))
     # Without slots the cap would be ceil(1.25 * 16 / 2) = 10; a full worker (8) must spill.
     assert p.choose(req([8, 7], features=unit([1, 0]))) == 1
     assert p.choose(req([7, 7], features=unit([1, 0]))) == 0
     with pytest.raises(EldrError, match="slots"):
-        make_policy("eldr-bl", 2, centroids=np.eye(2, dtype=np.float32), worker_slots=0)
+        RoutingContext(2, centroids=EYE2, worker_slots=0)

@@ -7,6 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 
+from stages.routing.context import RoutingContext
 from stages.routing.policies import EldrPolicy, RoutingRequest, make_policy
 from stages.serve.online_refit import OnlineRefitter, align_to_current
 
@@ -62,7 +63,7 @@ def refit(r: OnlineRefitter, policy: EldrPolicy, now: float) -> int:
 def test_refit_keeps_clusters_on_their_workers() -> None:
     rng = np.random.default_rng(1)
     centers = unit_rows(rng.random((4, 8)) ** 4)
-    policy = make_policy("eldr", 4, centroids=centers, tau=0.0)
+    policy = make_policy("eldr", RoutingContext(4, centroids=centers), {"tau": 0.0})
     order = np.array([3, 1, 0, 2])
     r = OnlineRefitter(4, window_s=5.0, interval_s=1.0, fit_fn=_fake_fit(order, centers))
     for i, x in enumerate(clustered(centers, 5, rng)):
@@ -79,7 +80,7 @@ def test_refit_keeps_clusters_on_their_workers() -> None:
 def test_refit_of_more_clusters_than_workers_keeps_each_workers_share() -> None:
     rng = np.random.default_rng(3)
     centers = unit_rows(rng.random((6, 8)) ** 4)
-    policy = make_policy("eldr", 2, centroids=centers, tau=0.0)
+    policy = make_policy("eldr", RoutingContext(2, centroids=centers), {"tau": 0.0})
     before = policy.worker_of_centroid.copy()
     order = np.array([5, 2, 4, 0, 1, 3])
     r = OnlineRefitter(6, window_s=5.0, interval_s=1.0, fit_fn=_fake_fit(order, centers))
@@ -105,7 +106,7 @@ def test_clear_drops_old_feature_space() -> None:
 def test_real_balanced_fit_tracks_drift() -> None:
     rng = np.random.default_rng(2)
     centers = unit_rows(rng.random((4, 16)) ** 6)
-    policy = make_policy("eldr", 4, centroids=centers, tau=0.0)
+    policy = make_policy("eldr", RoutingContext(4, centroids=centers), {"tau": 0.0})
     r = OnlineRefitter(4, window_s=5.0, interval_s=1.0, seed=0)
     for i, x in enumerate(clustered(centers, 30, rng)):
         r.observe(x, 0.001 * i)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from stages.errors import EldrError
+from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel
 from stages.routing.policies import (
     EldrUnionPolicy,
@@ -38,9 +39,12 @@ def peaked(experts: tuple[int, ...], tokens: int = 20) -> np.ndarray:
 A, B = peaked((0, 1)), peaked((4, 5))
 
 
-def policy(workers: int = 2, **kw) -> EldrUnionPolicy:
-    params = UnionParams(top_k=TOP_K, cost=COST, **kw)
-    return EldrUnionPolicy(workers, seed=0, params=params)
+def policy(
+    workers: int = 2, worker_slots: int | None = None, load_slack: float | None = None
+) -> EldrUnionPolicy:
+    context = RoutingContext(workers, top_k=TOP_K, cost=COST, worker_slots=worker_slots)
+    params = UnionParams() if load_slack is None else UnionParams(load_slack=load_slack)
+    return EldrUnionPolicy(context, params)
 
 
 def req(loads, counts=None, eligible=None) -> RoutingRequest:
@@ -62,14 +66,15 @@ def added(p: EldrUnionPolicy, counts: np.ndarray, loads) -> np.ndarray:
 
 
 def test_registry_builds_it_without_centroids() -> None:
-    p = make_policy("eldr-union", 3, top_k=2, cost=COST, worker_slots=4)
+    p = make_policy("eldr-union", RoutingContext(3, top_k=2, cost=COST, worker_slots=4))
     assert isinstance(p, EldrUnionPolicy)
-    assert p.params == UnionParams(top_k=2, cost=COST, worker_slots=4)
+    assert p.params == UnionParams()
+    assert (p.top_k, p.cost, p.worker_slots) == (2, COST, 4)
     assert not needs_centroids("eldr-union")
     with pytest.raises(EldrError, match="top_k"):
-        UnionParams(top_k=0)
+        RoutingContext(3, top_k=0)
     with pytest.raises(EldrError, match="slots"):
-        UnionParams(worker_slots=0)
+        RoutingContext(3, worker_slots=0)
 
 
 def test_dispatch_and_completion_add_and_remove_one_request_by_key() -> None:
@@ -133,7 +138,7 @@ def test_load_bound_caps_what_overlap_may_buy() -> None:
     dispatch(free, 1, B, "b", [8, 0, 0])
     dispatch(free, 2, B, "b2", [8, 1, 0])
     assert free.choose(req([8, 1, 1], A)) == 0
-    with pytest.raises(EldrError, match="load slack"):
+    with pytest.raises(EldrError, match="load_slack"):
         UnionParams(load_slack=-1.0)
 
 
@@ -176,7 +181,7 @@ def test_without_a_signature_it_is_least_loaded_with_random_ties() -> None:
         assert set(picks) == {1, 2}
     # Another model's shape predicts nothing here; so does a policy without top-k.
     assert p.choose(req([3, 1, 2, 5], np.ones((3, 4), np.int32))) == 1
-    blind = EldrUnionPolicy(4, params=UnionParams(top_k=None, cost=COST))
+    blind = EldrUnionPolicy(RoutingContext(4, top_k=None, cost=COST))
     assert blind.choose(req([3, 1, 2, 5], A)) == 1
     blind.on_dispatch(1, req([3, 1, 2, 5], A), "x")
     blind.on_complete(1, "x")
@@ -208,9 +213,9 @@ def test_never_picks_an_ineligible_worker() -> None:
 
 def test_decode_router_gives_it_counts_and_keys() -> None:
     art = domain_artifact(2)  # a prior for nothing here; it only says top-k and [L, E]
-    router = DecodeRouter(2, "eldr-union", 0.1, art)
+    router = DecodeRouter(2, "eldr-union", art)
     assert isinstance(router.policy, EldrUnionPolicy)
-    assert router.policy.params.top_k == art.identity.top_k
+    assert router.policy.top_k == art.identity.top_k
     shape = art.identity.shape
     a = np.zeros(shape, np.int32)
     a[:, 3] = 10
@@ -238,7 +243,7 @@ def test_decode_router_gives_it_counts_and_keys() -> None:
 
 
 def test_decode_router_without_artifact_routes_by_load() -> None:
-    router = DecodeRouter(3, "eldr-union", 0.1, None)
+    router = DecodeRouter(3, "eldr-union", None)
     a = np.ones((4, 16), np.int32)
     f = router.features(wire.encode(a))
     assert f.counts is not None  # decoded; top-k unknown, so the policy reads load only
@@ -275,8 +280,8 @@ def test_worker_unions_match_the_closed_form_through_joins_and_leaves() -> None:
 
 
 def test_router_without_an_artifact_takes_top_k_from_the_served_model() -> None:
-    router = DecodeRouter(2, "eldr-union", 0.1, None, model_top_k=TOP_K)
-    assert router.policy.params.top_k == TOP_K  # type: ignore[attr-defined]
+    router = DecodeRouter(2, "eldr-union", None, model_top_k=TOP_K)
+    assert router.policy.top_k == TOP_K  # type: ignore[attr-defined]
     loads = np.zeros(2, np.int64)
     workers = []
     for experts in ((0, 1), (5, 6), (0, 1)):

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from stages.errors import EldrError
+from stages.routing.policy_config import PolicyConfig
 from stages.serve.config import ProxyConfig
 from stages.serve.proxy import create_app
 from stages.serve.state import ProxyState
@@ -64,6 +65,9 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+TAU0 = PolicyConfig.from_mapping({"eldr": {"tau": 0.0}})
+
+
 def fast_config(prefill: list[str], decode: list[str], **kw) -> ProxyConfig:
     base = dict(
         # Generous enough for a loaded 2-core box; the timeout test tightens its own proxy.
@@ -88,7 +92,7 @@ def cluster() -> Iterator[Cluster]:
         [w.url for w in workers[:2]],
         [w.url for w in workers[2:]],
         policy="eldr",
-        tau=0.0,
+        policy_config=TAU0,
         artifact_store=Path("/artifacts"),
         model="fake-model",
     )
@@ -106,7 +110,8 @@ def env(cluster: Cluster) -> Iterator[Cluster]:
     for pool in (cluster.state.prefill, cluster.state.decode):
         for i in range(len(pool)):
             pool.mark_healthy(i)
-    assert cluster.client.post("/admin/policy", json={"policy": "eldr", "tau": 0.0}).is_success
+    assert cluster.client.post("/admin/policy", json={"policy": "eldr", "config": {"tau": 0.0}}
+    ).is_success
     yield cluster
     # Every test, whatever it did, must leave no request counted in flight.
     wait_until(lambda: cluster.inflight() == [0] * K)
@@ -255,7 +260,7 @@ def test_retry_on_decode_timeout(env: Cluster) -> None:
         c.prefill_urls,
         c.decode_urls,
         policy="eldr",
-        tau=0.0,
+        policy_config=TAU0,
         artifact_store=Path("/a"),
         decode_timeout_s=0.3,
     )
@@ -357,17 +362,24 @@ def test_admin_switches_policy_at_run_time(env: Cluster) -> None:
         assert completion(env, "domain=2").status_code == 200
     assert env.decoded_by() == ["d0", "d1", "d2"]  # signature ignored
     assert env.metric("eldr_router_decisions_total", policy="rr", worker="decode-0")
-    r = env.client.post("/admin/policy", json={"policy": "eldr", "tau": 0.3})
-    assert r.json()["policy"] == "eldr" and r.json()["tau"] == 0.3
+    r = env.client.post("/admin/policy", json={"policy": "eldr", "config": {"tau": 0.3}})
+    assert r.json()["policy"] == "eldr" and r.json()["config"] == {"tau": 0.3}
     assert env.client.post("/admin/policy", json={"policy": "nope"}).status_code == 400
-    assert env.client.post("/admin/policy", json={"policy": "eldr", "tau": "x"}).status_code == 400
-    assert env.client.get("/admin/state").json()["tau"] == 0.3
-    r = env.client.post("/admin/policy", json={"policy": "eldr-bl", "epsilon": 0.5})
-    assert r.json()["policy"] == "eldr-bl" and r.json()["epsilon"] == 0.5
-    assert env.state.router.policy.epsilon == 0.5  # type: ignore[attr-defined]
-    bad = env.client.post("/admin/policy", json={"policy": "eldr-bl", "epsilon": -1})
+    bad = env.client.post("/admin/policy", json={"policy": "eldr", "config": {"tau": "x"}})
+    assert bad.status_code == 400
+    assert env.client.get("/admin/state").json()["config"] == {"tau": 0.3}
+    r = env.client.post("/admin/policy", json={"policy": "eldr-bl", "config": {"epsilon": 0.5}})
+    assert r.json()["policy"] == "eldr-bl" and r.json()["config"]["epsilon"] == 0.5
+    assert env.state.router.policy.params.epsilon == 0.5
+    bad = env.client.post("/admin/policy", json={"policy": "eldr-bl", "config": {"epsilon": -1}})
     assert bad.status_code == 400 and "epsilon" in bad.json()["error"]["message"]
-    assert env.client.get("/admin/state").json()["epsilon"] == 0.5  # unchanged by the refusal
+    # Unchanged by the refusal, and kept per policy across switches away and back.
+    assert env.client.get("/admin/state").json()["config"]["epsilon"] == 0.5
+    assert env.client.post("/admin/policy", json={"policy": "eldr"}).json()["config"] == {
+        "tau": 0.3
+    }
+    r = env.client.post("/admin/policy", json={"policy": "eldr-bl"})
+    assert r.json()["config"]["epsilon"] == 0.5
 
 
 def test_admin_switches_artifact(env: Cluster) -> None:
@@ -439,7 +451,7 @@ def test_online_refit_keeps_clusters_on_workers() -> None:
             prefill,
             decode,
             policy="eldr",
-            tau=0.0,
+            policy_config=TAU0,
             artifact_store=Path("/a"),
             online_refit=True,
             refit_interval_s=0.05,
@@ -477,7 +489,8 @@ def test_real_artifact_store_end_to_end(tmp_path: Path) -> None:
         metrics={},
     )
     with one_prefill_k_decode() as (prefill, decode, _):
-        config = fast_config(prefill, decode, policy="eldr", tau=0.0, artifact_store=tmp_path)
+        config = fast_config(prefill, decode, policy="eldr", policy_config=TAU0,
+                             artifact_store=tmp_path)
         app = create_app(config)  # the default loader: the fit stage's ArtifactStore
         with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url) as client:
             assert client.get("/admin/state").json()["artifact_version"] == version

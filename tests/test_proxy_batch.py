@@ -17,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from stages.routing.policy_config import PolicyConfig
 from stages.serve.answer import Stream
 from stages.serve.batch_merge import Renames, merge_streams, merge_usage
 from stages.serve.batch_split import Part, prompts_of, split
@@ -61,7 +62,8 @@ def cluster() -> Iterator[Cluster]:
     servers = [BackgroundServer(e.app(), "critical").start() for e in (prefill, *decode)]
     config = ProxyConfig(
         prefill_urls=(servers[0].url,), decode_urls=tuple(s.url for s in servers[1:]),
-        policy="eldr", tau=0.0, artifact_store=Path("/a"), model="m", max_fanout=8,
+        policy="eldr", policy_config=PolicyConfig.from_mapping({"eldr": {"tau": 0.0}}),
+        artifact_store=Path("/a"), model="m", max_fanout=8,
         max_body_bytes=64 * 1024,
         connect_timeout_s=1.0, prefill_timeout_s=3.0, decode_timeout_s=3.0,
         health_interval_s=0.05,

@@ -104,7 +104,7 @@ def proxy() -> Iterator[Proxy]:
 def env(proxy: Proxy) -> Iterator[Proxy]:
     for b in proxy.workers:
         b.reset()
-    assert proxy.client.post("/admin/policy", json={"policy": "rr", "tau": 0.1}).is_success
+    assert proxy.client.post("/admin/policy", json={"policy": "rr"}).is_success
     yield proxy
 
 
@@ -345,39 +345,47 @@ def test_valid_requests_still_pass(env: Proxy) -> None:
 
 def policy_view(p: Proxy) -> tuple:
     s = p.admin_state()
-    return s["policy"], s["tau"], s["epsilon"]
+    return s["policy"], s["config"], s["policy_config"]
 
 
 def test_bad_policy_values_store_nothing_and_later_switches_work(env: Proxy) -> None:
     before = policy_view(env)
-    r = env.client.post("/admin/policy", json={"policy": "rr", "tau": -5, "epsilon": -7})
-    assert assert_error_shape(r, 400)["param"] == "tau"
+    r = env.client.post(
+        "/admin/policy", json={"policy": "eldr-bl", "config": {"tau": 0.5, "epsilon": -7}}
+    )
+    assert assert_error_shape(r, 400)["param"] == "config.epsilon"
     assert policy_view(env) == before
-    # The bug this guards: a refused epsilon stored under "rr" broke the switch to eldr-bl.
+    # The bug this guards: a refused value kept for eldr-bl broke every later switch to it.
     r = env.client.post("/admin/policy", json={"policy": "eldr-bl"})
     assert r.status_code == 200, r.text
-    assert r.json()["policy"] == "eldr-bl" and r.json()["epsilon"] >= 0
+    config = r.json()["config"]
+    assert r.json()["policy"] == "eldr-bl" and config["epsilon"] >= 0 and config["tau"] != 0.5
 
 
 @pytest.mark.parametrize(
     ("payload", "param"),
     [
-        ({"policy": "rr", "tau": -5, "epsilon": -7}, "tau"),
-        ({"policy": "rr", "epsilon": -7}, "epsilon"),
-        ({"policy": "jsq", "tau": 1.5}, "tau"),
-        ({"policy": "rr", "tau": -0.01}, "tau"),
-        ({"policy": "eldr", "tau": "0.1"}, "tau"),
-        ({"policy": "rr", "tau": True}, "tau"),
-        ({"policy": "rr", "epsilon": [1]}, "epsilon"),
-        ({"policy": "rr", "epsilon": "big"}, "epsilon"),
+        ({"policy": "eldr-bl", "config": {"tau": -5, "epsilon": -7}}, "config.tau"),
+        ({"policy": "eldr-bl", "config": {"epsilon": -7}}, "config.epsilon"),
+        ({"policy": "eldr", "config": {"tau": 1.5}}, "config.tau"),
+        ({"policy": "eldr", "config": {"tau": -0.01}}, "config.tau"),
+        ({"policy": "eldr", "config": {"tau": "0.1"}}, "config.tau"),
+        ({"policy": "eldr", "config": {"tau": True}}, "config.tau"),
+        ({"policy": "eldr-bl", "config": {"epsilon": [1]}}, "config.epsilon"),
+        ({"policy": "eldr-bl", "config": {"epsilon": "big"}}, "config.epsilon"),
+        ({"policy": "eldr-bl", "config": {"eps": 0.1}}, "config.eps"),
+        ({"policy": "rr", "config": {"tau": 0.1}}, "config.tau"),  # rr has no options
+        ({"policy": "eldr-union", "config": {"load_slack": -1}}, "config.load_slack"),
+        ({"policy": "eldr", "config": [0.1]}, "config"),
+        ({"policy": "eldr", "config": 0.1}, "config"),
+        ({"policy": "eldr", "tau": 0.1}, "tau"),  # options go in "config"
         ({"policy": "nope"}, "policy"),
         ({"policy": "RR"}, "policy"),
         ({"policy": 5}, "policy"),
         ({"policy": None}, "policy"),
-        ({"tau": 0.2}, "policy"),
+        ({"config": {"tau": 0.2}}, "policy"),
         ({}, "policy"),
-        ({"policy": "rr", "eps": 0.1}, "eps"),
-        ({"policy": "nope", "tau": 0.2, "epsilon": 0.1}, "policy"),
+        ({"policy": "nope", "config": {"tau": 0.2}}, "policy"),
     ],
 )
 def test_admin_policy_refusals(env: Proxy, payload: dict, param: str) -> None:
@@ -388,11 +396,11 @@ def test_admin_policy_refusals(env: Proxy, payload: dict, param: str) -> None:
 
 
 def test_admin_policy_bounds_are_inclusive(env: Proxy) -> None:
-    for payload in ({"policy": "rr", "tau": 0}, {"policy": "rr", "tau": 1},
-                    {"policy": "rr", "epsilon": 0}, {"policy": "eldr-bl", "epsilon": 100}):
-        r = env.client.post("/admin/policy", json=payload)
+    for name, config in (("eldr", {"tau": 0}), ("eldr", {"tau": 1}), ("eldr-bl", {"epsilon": 0}),
+                         ("eldr-bl", {"epsilon": 100}), ("eldr-union", {"load_slack": 0})):
+        r = env.client.post("/admin/policy", json={"policy": name, "config": config})
         assert r.status_code == 200, r.text
-        assert all(r.json()[k] == v for k, v in payload.items())
+        assert all(r.json()["config"][k] == v for k, v in config.items())
 
 
 @pytest.mark.parametrize(

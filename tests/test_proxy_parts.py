@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from stages.errors import EldrError
+from stages.routing.policy_config import PolicyConfig
 from stages.serve.config import ProxyConfig
 from stages.serve.decode_router import DecodeRouter
 from stages.serve.payloads import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
@@ -110,7 +111,8 @@ def test_lease_release_is_idempotent() -> None:
 
 def test_decode_router_features_and_fallback() -> None:
     art = domain_artifact(3)
-    router = DecodeRouter(3, "eldr", 0.0, art)
+    tau0 = PolicyConfig.from_mapping({"eldr": {"tau": 0.0}})
+    router = DecodeRouter(3, "eldr", art, policy_config=tau0)
     kv = wire.encode(domain_signature({"prompt": "domain=2"}))
     f = router.features(kv)
     assert not f.missing and f.vector is not None
@@ -123,7 +125,7 @@ def test_decode_router_features_and_fallback() -> None:
     router.set_policy("rr")
     assert not router.features(kv).missing  # signature-blind policies do not look
     with pytest.raises(EldrError):
-        router.set_policy("eldr", tau=-1)
+        router.set_policy("eldr", {"tau": -1})
     assert router.policy_name == "rr"
     with pytest.raises(EldrError, match="2 centroids for 3 decode workers"):
         router.set_artifact(domain_artifact(2))

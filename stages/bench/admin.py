@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -46,11 +47,17 @@ class ProxyAdmin:
             log.warning("cannot read the served model name from %s/v1/models: %s", self._base, exc)
             return None
 
-    async def set_policy(self, name: str) -> dict[str, Any]:
-        """Switch the decode policy and confirm it took effect; returns the new state."""
+    async def set_policy(
+        self, name: str, config: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Switch the decode policy, updating its options by ``config`` when given (the proxy
+        keeps them for that policy), and confirm it took effect; returns the new state."""
         url = f"{self._base}/admin/policy"
+        body: dict[str, Any] = {"policy": name}
+        if config:
+            body["config"] = dict(config)
         try:
-            response = await self._client.post(url, json={"policy": name}, timeout=self._timeout)
+            response = await self._client.post(url, json=body, timeout=self._timeout)
         except httpx.HTTPError as exc:
             raise EldrError(f"cannot switch the proxy's policy at {url}: {exc}") from exc
         if response.status_code >= 400:

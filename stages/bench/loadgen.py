@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -44,6 +44,7 @@ from stages.bench.worker_metrics import (
 )
 from stages.errors import EldrError
 from stages.prompts import Prompt, load_prompts, sample_prompts
+from stages.routing.policy_config import PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class BenchConfig:
     request_timeout_s: float = 600.0
     scrape_settle_s: float = 1.0  # let workers publish their last steps before reading
     show_progress: bool = True
+    # Options sent with each switch to a policy it names (the proxy keeps them afterwards).
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
 
     def __post_init__(self) -> None:
         if not self.policies:
@@ -247,7 +250,9 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
             runner = _Runner(config, client, prompts, offsets, worker_urls, progress)
             for seg in plan:
                 progress.set_postfix(round=seg.round, policy=seg.policy)
-                policy_states[seg.policy] = await admin.set_policy(seg.policy)
+                policy_states[seg.policy] = await admin.set_policy(
+                    seg.policy, config.policy_config.overrides(seg.policy)
+                )
                 outcomes[seg.policy].append(await runner.run_segment(seg))
         if isinstance(initial_policy, str) and initial_policy != plan[-1].policy:
             await admin.set_policy(initial_policy)  # leave the proxy as we found it

@@ -31,6 +31,7 @@ from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import ComparisonResult, PolicyResult
 from stages.bench.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
+from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel
 from stages.routing.policies import (
     POLICIES,
@@ -39,11 +40,10 @@ from stages.routing.policies import (
     make_policy,
     signature_counts,
 )
-from stages.routing.policies.eldr import DEFAULT_TAU
-from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policy_config import PolicyConfig
 from stages.signature.dataset import SignatureArrays
 
-DEFAULT_POLICIES = ("eldr", "eldr-bl", "eldr-union", "rr", "jsq", "random", "p2c")
+DEFAULT_POLICIES = tuple(POLICIES)
 _STEP_END, _KV_READY = 0, 1
 _NOISE_BLOCK = 1 << 16
 
@@ -63,8 +63,8 @@ class SimConfig:
     kv_transfer_s: float = 0.002
     prefill_routing: str = "least_loaded"
     first_token_from_prefill: bool = True
-    tau: float = DEFAULT_TAU
-    epsilon: float = DEFAULT_EPSILON
+    # Options per policy name, as `eldr serve --policy-config` takes them.
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     step_noise: bool = True  # per-step spread of the distinct-expert count
     # The locality dial: 0 = the dataset's own decode, 1 = another request's (no locality).
     locality_blend: float = 0.0
@@ -346,17 +346,15 @@ def simulate(
     profiles = DecodeProfiles(arrays.decode_counts, arrays.prefill_counts, top_k)
     results: dict[str, PolicyResult] = {}
     for name in config.policies:
-        policy = make_policy(
-            name,
+        context = RoutingContext(
             config.num_decode,
             seed=config.seed,
             centroids=centroids if POLICIES[name].uses_signature else None,
-            tau=config.tau,
             worker_slots=config.max_batch,
-            epsilon=config.epsilon,
             top_k=top_k,
             cost=config.cost,
         )
+        policy = make_policy(name, context, config.policy_config.overrides(name))
         run = _Run(config, arrays, workload, profiles, policy, top_k)
         run.run()
         results[name] = run.result()

@@ -1,16 +1,22 @@
-"""Admin API: inspect routing state, switch policy/tau or artifact at run time."""
+"""Admin API: inspect routing state, switch policy (and its options) or artifact at run time.
+
+``POST /admin/policy`` takes ``{"policy": name, "config": {option: value}}``, ``config``
+optional: the options update that policy's (``eldr serve --policy-config``) and stay for later
+switches back to it. ``GET /admin/state`` shows the active policy's options in full.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
+from dataclasses import asdict
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from stages.errors import EldrError
+from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
 from stages.serve.request_body import bad_request, read_json_body
 from stages.serve.responses import ProxyError, json_error, json_response
@@ -19,7 +25,7 @@ from stages.serve.state import ProxyState
 log = logging.getLogger(__name__)
 
 _ADMIN_BODY_LIMIT = 64 * 1024
-_POLICY_KEYS = frozenset(("policy", "tau", "epsilon"))
+_POLICY_KEYS = frozenset(("policy", "config"))
 _ARTIFACT_KEYS = frozenset(("version",))
 
 
@@ -29,8 +35,9 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
     refitter = router.refitter
     return {
         "policy": router.policy_name,
-        "tau": router.tau,
-        "epsilon": router.epsilon,
+        "config": asdict(router.policy.params),
+        # What each policy runs with when switched to, beyond its defaults.
+        "policy_config": router.policy_config.to_json(),
         "artifact_version": router.artifact.version if router.artifact is not None else None,
         "online_refit": refitter is not None,
         "refits": refitter.refits if refitter is not None else 0,
@@ -65,11 +72,8 @@ async def get_state(request: Request) -> Response:
 
 
 async def set_policy(request: Request) -> Response:
-    """Switch policy, tau or epsilon: every value is checked before anything changes.
-
-    Checking only what the new policy uses would store, say, a negative epsilon with "rr"
-    and break a later switch to eldr-bl that keeps it.
-    """
+    """Switch policy, optionally updating its options: all are checked before anything
+    changes."""
     state: ProxyState = request.app.state.proxy
     try:
         body = await _admin_body(request, _POLICY_KEYS)
@@ -78,15 +82,18 @@ async def set_policy(request: Request) -> Response:
             raise bad_request(
                 f'"policy" must be one of {sorted(POLICIES)}, got {name!r}', "policy"
             )
-        tau = _bounded(body, "tau", 0.0, 1.0)
-        epsilon = _bounded(body, "epsilon", 0.0, math.inf)
-        state.router.set_policy(name, tau, epsilon)
+        config = body.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise bad_request(f'"config" must be an object of {name} options, got {config!r}',
+                              "config")
+        state.router.set_policy(name, config)
     except ProxyError as exc:
         return exc.response()
+    except ParamError as exc:
+        return json_error(400, str(exc), "bad_request", param=f"config.{exc.param}")
     except EldrError as exc:  # e.g. eldr without an artifact: refused before any change
         return json_error(400, str(exc), "bad_request")
-    log.info("policy set to %s (tau=%s, epsilon=%s)", state.router.policy_name,
-             state.router.tau, state.router.epsilon)
+    log.info("policy set to %s %s", state.router.policy_name, asdict(state.router.policy.params))
     return json_response(snapshot(state))
 
 
@@ -97,18 +104,6 @@ async def _admin_body(request: Request, allowed: frozenset[str]) -> dict[str, An
     if unknown:
         raise bad_request(f"unknown keys {unknown}; accepted: {sorted(allowed)}", unknown[0])
     return body
-
-
-def _bounded(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
-    """``body[key]`` as a float in ``[low, high]``; None when absent (keep the current one)."""
-    value = body.get(key)
-    if value is None:
-        return None
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or not low <= value <= high:
-        upper = "" if math.isinf(high) else f" and <= {high:g}"
-        raise bad_request(f'"{key}" must be a number >= {low:g}{upper}, got {value!r}', key)
-    return float(value)
 
 
 async def set_artifact(request: Request) -> Response:

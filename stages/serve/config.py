@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.errors import EldrError
 from stages.routing.policies import POLICIES
-from stages.routing.policies.eldr import DEFAULT_TAU
-from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policy_config import PolicyConfig
 
 
 @dataclass(frozen=True)
@@ -17,8 +15,8 @@ class ProxyConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     policy: str = "eldr"
-    tau: float = DEFAULT_TAU
-    epsilon: float = DEFAULT_EPSILON  # eldr-bl's load slack over the mean
+    # Options per policy name (validated when made); the admin API may switch to any of them.
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     # Where `eldr fit` wrote artifacts; None runs without one (signature-blind policies only).
     artifact_store: Path | None = None
     artifact_version: str = "latest"
@@ -74,10 +72,6 @@ class ProxyConfig:
             raise EldrError("decode worker urls must be distinct")
         if self.policy not in POLICIES:
             raise EldrError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
-        if not math.isfinite(self.tau) or self.tau < 0:
-            raise EldrError(f"tau must be a finite number >= 0, got {self.tau}")
-        if not math.isfinite(self.epsilon) or self.epsilon < 0:
-            raise EldrError(f"epsilon must be a finite number >= 0, got {self.epsilon}")
         if self.decode_slots is not None and self.decode_slots < 1:
             raise EldrError(f"decode slots must be >= 1, got {self.decode_slots}")
         for name in (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -17,6 +17,7 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
+from stages.routing.context import RoutingContext
 from stages.routing.policies import (
     DecodePolicy,
     EldrPolicy,
@@ -25,7 +26,7 @@ from stages.routing.policies import (
     signature_counts,
 )
 from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
-from stages.routing.policies.eldr_bounded import DEFAULT_EPSILON
+from stages.routing.policy_config import PolicyConfig
 from stages.serve.artifact_source import ArtifactLike
 from stages.serve.online_refit import OnlineRefitter, RefitResult
 from stages.signature import wire
@@ -61,17 +62,17 @@ class DecodeRouter:
         self,
         num_workers: int,
         policy: str,
-        tau: float,
         artifact: ArtifactLike | None,
         seed: int = 0,
         refitter: OnlineRefitter | None = None,
         worker_slots: int | None = None,
-        epsilon: float = DEFAULT_EPSILON,
+        policy_config: PolicyConfig | None = None,
         model_top_k: int | None = None,
     ) -> None:
         self.num_workers = num_workers
         self.model_top_k = model_top_k  # the served model's, when the proxy knows the model
-        self.epsilon = epsilon
+        # Every policy's options, not only the active one's: a switch back finds them.
+        self.policy_config = policy_config or PolicyConfig()
         self.worker_slots = worker_slots
         self.seed = seed
         self.refitter = refitter
@@ -86,23 +87,20 @@ class DecodeRouter:
         self._keys = itertools.count()
         if artifact is not None:
             self._install(artifact)
-        self.tau = tau
-        self.policy: DecodePolicy = self._build(policy, tau, epsilon)
+        self.policy: DecodePolicy = self._build(policy, self.policy_config)
 
     # --- configuration (admin API) ---
 
-    def _build(self, name: str, tau: float, epsilon: float) -> DecodePolicy:
-        return make_policy(
-            name,
+    def _build(self, name: str, config: PolicyConfig) -> DecodePolicy:
+        context = RoutingContext(
             self.num_workers,
             seed=self.seed,
             centroids=self._centroids,
-            tau=tau,
             worker_of_centroid=self._worker_of_centroid,
             worker_slots=self.worker_slots,
-            epsilon=epsilon,
             top_k=self._top_k(),
         )
+        return make_policy(name, context, config.overrides(name))
 
     def _top_k(self) -> int | None:
         """The model's experts per token, which turns counts into per-token probabilities: the
@@ -112,13 +110,14 @@ class DecodeRouter:
             return int(self.artifact.identity.top_k)
         return self.model_top_k
 
-    def set_policy(
-        self, name: str, tau: float | None = None, epsilon: float | None = None
-    ) -> None:
-        tau = self.tau if tau is None else tau
-        epsilon = self.epsilon if epsilon is None else epsilon
-        self.policy = self._build(name, tau, epsilon)  # raises before anything changes
-        self.tau, self.epsilon = tau, epsilon
+    def set_policy(self, name: str, overrides: Mapping[str, Any] | None = None) -> None:
+        """Switch to policy ``name``, its options updated by ``overrides`` (kept for later
+        switches back to it)."""
+        config = self.policy_config
+        if overrides is not None:
+            config = config.updated(name, overrides)
+        self.policy = self._build(name, config)  # raises before anything changes
+        self.policy_config = config
 
     def set_artifact(self, artifact: ArtifactLike) -> None:
         top_k = self._top_k()
@@ -128,7 +127,7 @@ class DecodeRouter:
         elif self.policy.uses_counts and self._top_k() != top_k:
             # A new top-k is a new reading of every count; in-flight requests keep completing
             # on the policy that counted them (their Decision holds it).
-            self.policy = self._build(self.policy.name, self.tau, self.epsilon)
+            self.policy = self._build(self.policy.name, self.policy_config)
 
     def _install(self, artifact: ArtifactLike) -> None:
         centroids = np.asarray(artifact.centroids, dtype=np.float32)

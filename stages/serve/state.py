@@ -91,8 +91,8 @@ def build_state(
     decode = WorkerPool(config.decode_urls, "decode")
     prefill = WorkerPool(config.prefill_urls, "prefill")
     router = DecodeRouter(
-        len(decode), config.policy, config.tau, artifact, seed=config.seed, refitter=refitter,
-        worker_slots=config.decode_slots, epsilon=config.epsilon,
+        len(decode), config.policy, artifact, seed=config.seed, refitter=refitter,
+        worker_slots=config.decode_slots, policy_config=config.policy_config,
         model_top_k=config.model_top_k,
     )
     return ProxyState(

@@ -1,6 +1,8 @@
 """The one interface every decode-routing policy implements (proxy and simulator alike).
 
-A policy sees the in-flight decode requests per worker, which workers are eligible (healthy),
+A policy is built from the deployment it routes for (``RoutingContext``) and its options, an
+instance of the frozen dataclass it declares as ``Params`` (``stages.routing.params``). It sees
+the in-flight decode requests per worker, which workers are eligible (healthy),
 the request's transformed signature (a unit vector, or ``None`` when the prefill did not
 deliver one) and its raw prefill counts. It returns a worker index. Hooks default to no-ops so
 simple policies stay small; they carry a key naming the request, unique among those in flight,
@@ -12,9 +14,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
+
+from stages.routing.context import RoutingContext
+from stages.routing.params import NoParams
 
 
 @dataclass(frozen=True)
@@ -32,10 +37,13 @@ class DecodePolicy(ABC):
     name: ClassVar[str] = "base"
     uses_signature: ClassVar[bool] = False  # reads ``features`` (needs an artifact)
     uses_counts: ClassVar[bool] = False  # reads ``counts`` (no artifact needed)
+    # The policy's user options: a frozen dataclass whose every field has a default.
+    Params: ClassVar[type[Any]] = NoParams
 
-    def __init__(self, num_workers: int, seed: int = 0) -> None:
-        self.num_workers = num_workers
-        self.rng = np.random.default_rng(seed)
+    def __init__(self, context: RoutingContext, params: Any = None) -> None:
+        self.num_workers = context.num_workers
+        self.rng = np.random.default_rng(context.seed)
+        self.params = self.Params() if params is None else params
 
     @abstractmethod
     def choose(self, request: RoutingRequest) -> int:

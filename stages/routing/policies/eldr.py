@@ -14,37 +14,43 @@ off unhealthy workers without a refit). Online refit replaces centroids and that
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
+from stages.routing.context import RoutingContext
+from stages.routing.params import check_range, option
 from stages.routing.policies.base import DecodePolicy, RoutingRequest
 from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
 from stages.routing.policies.select import least_loaded_random
 
-DEFAULT_TAU = 0.1
+
+@dataclass(frozen=True)
+class EldrParams:
+    # Signatures are non-negative, so cosines lie in [0, 1]: tau = 1 admits every worker.
+    tau: float = option(0.1, "locality band width: 0 keeps the nearest centroid only, 1 is"
+                        " join-shortest-queue")
+
+    def __post_init__(self) -> None:
+        check_range("tau", self.tau, 0.0, 1.0)
 
 
 class EldrPolicy(DecodePolicy):
     name: ClassVar[str] = "eldr"
     uses_signature: ClassVar[bool] = True
+    Params: ClassVar[type[EldrParams]] = EldrParams
+    params: EldrParams
 
-    def __init__(
-        self,
-        num_workers: int,
-        seed: int = 0,
-        *,
-        centroids: np.ndarray,
-        tau: float = DEFAULT_TAU,
-        worker_of_centroid: np.ndarray | None = None,
-    ) -> None:
-        super().__init__(num_workers, seed)
-        if not np.isfinite(tau) or tau < 0:
-            raise EldrError(f"tau must be a finite number >= 0, got {tau}")
-        self.tau = float(tau)
-        self.set_centroids(centroids, worker_of_centroid)
+    def __init__(self, context: RoutingContext, params: EldrParams | None = None) -> None:
+        super().__init__(context, params)
+        if context.centroids is None:
+            raise EldrError(
+                f"policy {self.name!r} needs centroids: load an artifact (eldr fit) first"
+            )
+        self.set_centroids(context.centroids, context.worker_of_centroid)
 
     def set_centroids(
         self, centroids: np.ndarray, worker_of_centroid: np.ndarray | None = None
@@ -122,8 +128,9 @@ class EldrPolicy(DecodePolicy):
         if not math.isfinite(best):
             # Only non-finite features (a corrupt signature) get here; do no harm.
             return least_loaded_random(request.loads, eligible, self.rng)
-        band = s >= best - self.tau
-        if self.tau > 0 and np.count_nonzero(band) == 1:
+        tau = self.params.tau
+        band = s >= best - tau
+        if tau > 0 and np.count_nonzero(band) == 1:
             # The best alone would pin a hot cluster to one worker; admit the runner-up.
             rest = np.where(band, -np.inf, s)
             second = int(rest.argmax())

@@ -13,46 +13,40 @@ slot. If every band member is over the cap, the paper's pick applies.
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from stages.errors import EldrError
+from stages.routing.context import RoutingContext
+from stages.routing.params import check_range, option
 from stages.routing.policies.base import RoutingRequest
-from stages.routing.policies.eldr import DEFAULT_TAU, EldrPolicy
+from stages.routing.policies.eldr import EldrParams, EldrPolicy
 from stages.routing.policies.select import BOUNDED_LOAD_FACTOR, bounded_load_capacity
 
-DEFAULT_EPSILON = BOUNDED_LOAD_FACTOR - 1.0
+
+@dataclass(frozen=True)
+class EldrBoundedParams(EldrParams):
+    epsilon: float = option(BOUNDED_LOAD_FACTOR - 1.0, "a worker takes a request while its"
+                            " in-flight count stays within (1 + epsilon) x the mean")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("epsilon", self.epsilon, 0.0)
 
 
 class EldrBoundedPolicy(EldrPolicy):
     name: ClassVar[str] = "eldr-bl"
+    Params: ClassVar[type[EldrBoundedParams]] = EldrBoundedParams
+    params: EldrBoundedParams
 
-    def __init__(
-        self,
-        num_workers: int,
-        seed: int = 0,
-        *,
-        centroids: np.ndarray,
-        tau: float = DEFAULT_TAU,
-        worker_of_centroid: np.ndarray | None = None,
-        epsilon: float = DEFAULT_EPSILON,
-        worker_slots: int | None = None,
-    ) -> None:
-        super().__init__(
-            num_workers, seed, centroids=centroids, tau=tau, worker_of_centroid=worker_of_centroid
-        )
-        if not math.isfinite(epsilon) or epsilon < 0:
-            raise EldrError(f"epsilon must be a finite number >= 0, got {epsilon}")
-        self.epsilon = float(epsilon)
-        if worker_slots is not None and worker_slots < 1:
-            raise EldrError(f"worker slots must be >= 1, got {worker_slots}")
-        self.worker_slots = worker_slots
+    def __init__(self, context: RoutingContext, params: EldrBoundedParams | None = None) -> None:
+        super().__init__(context, params)
+        self.worker_slots = context.worker_slots
 
     def load_cap(self, request: RoutingRequest) -> int:
         """Most in-flight requests a worker may hold after taking this one."""
-        cap = bounded_load_capacity(request.loads, request.eligible, 1.0 + self.epsilon)
+        cap = bounded_load_capacity(request.loads, request.eligible, 1.0 + self.params.epsilon)
         return cap if self.worker_slots is None else min(cap, self.worker_slots)
 
     def pick_in_band(self, band: np.ndarray, s: np.ndarray, request: RoutingRequest) -> int:

@@ -26,7 +26,6 @@ the request goes to the least-loaded worker with random ties, and counts only as
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -34,7 +33,9 @@ from typing import ClassVar
 import numpy as np
 
 from stages.errors import EldrError
+from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel, cpu_like, gpu_like
+from stages.routing.params import check_range, option
 from stages.routing.policies.base import DecodePolicy, RoutingRequest, signature_counts
 from stages.routing.policies.expert_load import WorkerExpertLoad
 from stages.routing.policies.select import least_loaded_random
@@ -52,19 +53,11 @@ _PI_MAX32 = np.float32(1.0 - 2.0**-24)
 
 @dataclass(frozen=True)
 class UnionParams:
-    top_k: int | None = None  # the model's experts per token; None: signatures are unusable
-    cost: CostModel | None = None  # None: GPU-like preset for the signatures' shape
-    worker_slots: int | None = None  # each worker's batch size (vLLM --max-num-seqs)
-    # A worker may hold max(1, load_slack * mean load) more requests than the least loaded.
-    load_slack: float = DEFAULT_LOAD_SLACK
+    load_slack: float = option(DEFAULT_LOAD_SLACK, "a worker may hold max(1, load_slack x"
+                               " mean load) more requests than the least loaded")
 
     def __post_init__(self) -> None:
-        if self.top_k is not None and self.top_k < 1:
-            raise EldrError(f"top_k must be >= 1, got {self.top_k}")
-        if self.worker_slots is not None and self.worker_slots < 1:
-            raise EldrError(f"worker slots must be >= 1, got {self.worker_slots}")
-        if not math.isfinite(self.load_slack) or self.load_slack < 0:
-            raise EldrError(f"load slack must be a finite number >= 0, got {self.load_slack}")
+        check_range("load_slack", self.load_slack, 0.0)
 
 
 def default_cost(num_layers: int, num_experts: int) -> CostModel:
@@ -93,10 +86,14 @@ class _StepCost:
 class EldrUnionPolicy(DecodePolicy):
     name: ClassVar[str] = "eldr-union"
     uses_counts: ClassVar[bool] = True
+    Params: ClassVar[type[UnionParams]] = UnionParams
+    params: UnionParams
 
-    def __init__(self, num_workers: int, seed: int = 0, *, params: UnionParams | None = None):
-        super().__init__(num_workers, seed)
-        self.params = params or UnionParams()
+    def __init__(self, context: RoutingContext, params: UnionParams | None = None) -> None:
+        super().__init__(context, params)
+        self.top_k = context.top_k
+        self.cost = context.cost
+        self.worker_slots = context.worker_slots
         # Created at the first usable signature: the shape is the model's, which the proxy
         # may only learn from the first prefill.
         self._load: WorkerExpertLoad | None = None
@@ -112,7 +109,7 @@ class EldrUnionPolicy(DecodePolicy):
 
     def choose(self, request: RoutingRequest) -> int:
         loads, eligible = request.loads, request.eligible
-        slots = self.params.worker_slots
+        slots = self.worker_slots
         candidates = eligible if slots is None else eligible & (loads < slots)
         if not candidates.any():
             # Every healthy worker is full: the request queues, and the shortest queue drains
@@ -148,8 +145,8 @@ class EldrUnionPolicy(DecodePolicy):
         pi = None
         self._last_added = None
         counts = signature_counts(request.counts)
-        if counts is not None and self.params.top_k is not None and self._fits(counts.shape):
-            pi = fast_inclusion(counts, self.params.top_k)
+        if counts is not None and self.top_k is not None and self._fits(counts.shape):
+            pi = fast_inclusion(counts, self.top_k)
         self._last = (request, pi)
         return pi
 
@@ -158,7 +155,7 @@ class EldrUnionPolicy(DecodePolicy):
             if len(shape) != 2:
                 return False
             num_layers, num_experts = int(shape[0]), int(shape[1])
-            cost = self.params.cost or default_cost(num_layers, num_experts)
+            cost = self.cost or default_cost(num_layers, num_experts)
             self._step = _StepCost(
                 fixed=cost.base_s + cost.num_layers * cost.moe_fixed_s,
                 per_seq=cost.per_token_s,

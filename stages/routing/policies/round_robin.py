@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from stages.routing.context import RoutingContext
+from stages.routing.params import NoParams
 from stages.routing.policies.base import DecodePolicy, RoutingRequest
 from stages.routing.policies.select import eligible_indices
 
@@ -11,8 +13,8 @@ from stages.routing.policies.select import eligible_indices
 class RoundRobinPolicy(DecodePolicy):
     name: ClassVar[str] = "rr"
 
-    def __init__(self, num_workers: int, seed: int = 0) -> None:
-        super().__init__(num_workers, seed)
+    def __init__(self, context: RoutingContext, params: NoParams | None = None) -> None:
+        super().__init__(context, params)
         self._next = 0
 
     def choose(self, request: RoutingRequest) -> int:
