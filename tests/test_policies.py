@@ -242,3 +242,26 @@ def test_bounded_cap_never_exceeds_the_workers_batch_size() -> None:
     assert p.choose(req([7, 7], features=unit([1, 0]))) == 0
     with pytest.raises(EldrError, match="slots"):
         RoutingContext(2, centroids=EYE2, worker_slots=0)
+
+
+# --- what a policy routes on (the proxy's and the simulator's one rule) ---
+
+
+def test_routing_inputs_missing_unknown_and_usable() -> None:
+    from stages.routing.inputs import routing_inputs
+
+    counts = np.array([[2, 0], [0, 2]], np.int32)
+    def keep_first(c: np.ndarray) -> np.ndarray:  # a transform that keeps layer 0 only
+        return c[0].astype(np.float32)
+
+    assert routing_inputs(None, keep_first).counts is None
+    # All zero is a recording failure: missing, whatever the transform.
+    assert routing_inputs(np.zeros((2, 2), np.int32), keep_first).counts is None
+    both = routing_inputs(counts, keep_first)
+    assert both.counts is counts and both.features is not None
+    assert both.features.dtype == np.float32
+    # No count in a kept layer: features unknown, counts still usable.
+    blind = routing_inputs(np.array([[0, 0], [0, 2]], np.int32), keep_first)
+    assert blind.features is None and blind.counts is not None
+    no_artifact = routing_inputs(counts, None)
+    assert no_artifact.features is None and no_artifact.counts is counts

@@ -2,10 +2,10 @@
 
 Per request: Poisson arrival -> prefill (``sim_workload``) -> at prefill end the decode policy
 (``make_policy``, the very classes the proxy runs) picks a decode worker from the in-flight
-counts and the request's prefill signature (raw and transformed; all-zero counts are "no
-signature", as in the proxy) -> after the KV transfer it queues on
-that worker -> joins the running batch at the next step boundary while the batch has room
-(continuous batching, ``max_batch``) -> one token per step until its output is complete.
+counts and the request's prefill signature (raw and transformed, read by the proxy's own
+``routing_inputs``) -> after the KV transfer it queues on that worker -> joins the running
+batch at the next step boundary while the batch has room (continuous batching, ``max_batch``)
+-> one token per step until its output is complete.
 With ``locality_blend`` s > 0 the dataset's decode profiles are first blended with other
 requests' (``locality_blend``: s = 1 is the no-locality control).
 
@@ -33,12 +33,12 @@ from stages.bench.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel
+from stages.routing.inputs import routing_inputs
 from stages.routing.policies import (
     POLICIES,
     DecodePolicy,
     RoutingRequest,
     make_policy,
-    signature_counts,
 )
 from stages.routing.policy_config import PolicyConfig
 from stages.signature.dataset import SignatureArrays
@@ -169,13 +169,13 @@ class _Run:
         return float(self.noise[self.noise_pos - 1])
 
     def route(self, r: int, t: float) -> None:
-        counts = signature_counts(self.prefill_counts[self.wl.rows[r]])
-        features = None
-        if counts is not None and self.wl.features is not None:
-            features = self.wl.features[self.wl.feature_rows[r]]
-            if not features.any():
-                features = None  # no count in a kept layer: unknown, as the proxy reads it
-        request = RoutingRequest(self.loads.copy(), self.eligible, features, counts)
+        features, row = self.wl.features, self.wl.feature_rows[r]
+        # The proxy's rule; the transform ran once per sampled row (``sim_workload``).
+        inputs = routing_inputs(
+            self.prefill_counts[self.wl.rows[r]],
+            None if features is None else lambda counts: features[row],
+        )
+        request = RoutingRequest(self.loads.copy(), self.eligible, inputs.features, inputs.counts)
         w = self.policy.choose(request)
         if not (0 <= w < self.cfg.num_decode):
             raise EldrError(f"policy {self.policy.name} chose worker {w} of {self.cfg.num_decode}")

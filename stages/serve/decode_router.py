@@ -18,12 +18,12 @@ import numpy as np
 from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
 from stages.routing.context import RoutingContext
+from stages.routing.inputs import routing_inputs
 from stages.routing.policies import (
     DecodePolicy,
     EldrPolicy,
     RoutingRequest,
     make_policy,
-    signature_counts,
 )
 from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
 from stages.routing.policy_config import PolicyConfig
@@ -165,22 +165,16 @@ class DecodeRouter:
         if not (wants_vector or policy.uses_counts):
             return NO_FEATURES
         # Without an artifact the shape is not known here; a counts policy checks it.
-        counts = signature_counts(wire.decode(kv_transfer_params, self._expected_shape))
-        if counts is None:
-            # An empty signature is a recording failure (the worker counts it), not a request
-            # with no preference: count it as missing here too.
-            return Features(None, missing=True)
-        kept = counts if policy.uses_counts else None
-        if not wants_vector:
-            return Features(None, missing=False, counts=kept)
-        vector = np.asarray(self.artifact.transform.apply(counts), dtype=np.float32)
-        if not vector.any():
-            # No count in any kept layer: every centroid ties at 0, which would send all such
-            # requests to the lowest index. Treat it as unknown (JSQ, random ties) instead.
-            return Features(None, missing=False, counts=kept)
-        if self.refitter is not None:
+        inputs = routing_inputs(
+            wire.decode(kv_transfer_params, self._expected_shape),
+            self.artifact.transform.apply if wants_vector else None,
+        )
+        if inputs.counts is None:
+            return Features(None, missing=True)  # the worker counts empty signatures too
+        vector = inputs.features
+        if vector is not None and self.refitter is not None:
             self.refitter.observe(vector, time.monotonic())
-        return Features(vector, missing=False, counts=kept)
+        return Features(vector, missing=False, counts=inputs.counts if policy.uses_counts else None)
 
     def choose(self, features: Features, loads: np.ndarray, eligible: np.ndarray) -> Decision:
         """Pick a worker; the caller dispatches right away, so the policy hears of it now."""

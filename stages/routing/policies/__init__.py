@@ -12,7 +12,7 @@ from typing import Any
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.params import build_params
-from stages.routing.policies.base import DecodePolicy, RoutingRequest, signature_counts
+from stages.routing.policies.base import DecodePolicy, RoutingRequest
 from stages.routing.policies.eldr import EldrParams, EldrPolicy
 from stages.routing.policies.eldr_bounded import EldrBoundedParams, EldrBoundedPolicy
 from stages.routing.policies.eldr_union import EldrUnionPolicy, UnionParams
@@ -60,5 +60,5 @@ def needs_centroids(name: str) -> bool:
 __all__ = [
     "POLICIES", "DecodePolicy", "EldrBoundedParams", "EldrBoundedPolicy", "EldrParams",
     "EldrPolicy", "EldrUnionPolicy", "RoutingRequest", "UnionParams",
-    "make_policy", "needs_centroids", "policy_class", "policy_params", "signature_counts",
+    "make_policy", "needs_centroids", "policy_class", "policy_params",
 ]

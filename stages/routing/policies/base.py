@@ -29,7 +29,7 @@ class RoutingRequest:
     loads: np.ndarray  # int64 [W]: in-flight decode requests per decode worker
     eligible: np.ndarray  # bool [W]: healthy workers; at least one is True
     features: np.ndarray | None = None  # float32 [D] unit vector, or None if unknown
-    # int [L, E] prefill signature as sent (see ``signature_counts``), or None if unknown
+    # int [L, E] prefill signature as sent (``stages.routing.inputs``), or None if unknown
     counts: np.ndarray | None = None
 
 
@@ -57,13 +57,4 @@ class DecodePolicy(ABC):
     def on_complete(self, worker: int, key: Hashable) -> None:  # noqa: B027
         """Called when request ``key`` on ``worker`` finished (success or failure). A key this
         policy never saw (dispatched before a policy switch) must be ignored."""
-
-
-def signature_counts(counts: np.ndarray | None) -> np.ndarray | None:
-    """The counts a policy may route on, or ``None``: an all-zero table is a recording
-    failure (every prompt token picks k experts per layer), not a request with no
-    preference, so it counts as missing. The proxy and the simulator both apply this."""
-    if counts is None or not counts.any():
-        return None
-    return counts
 

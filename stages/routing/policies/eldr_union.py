@@ -35,8 +35,9 @@ import numpy as np
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel, cpu_like, gpu_like
+from stages.routing.inputs import signature_counts
 from stages.routing.params import check_range, option
-from stages.routing.policies.base import DecodePolicy, RoutingRequest, signature_counts
+from stages.routing.policies.base import DecodePolicy, RoutingRequest
 from stages.routing.policies.expert_load import WorkerExpertLoad
 from stages.routing.policies.select import least_loaded_random
 from stages.signature.inclusion import inclusion_probabilities
