@@ -289,3 +289,18 @@ def test_router_without_an_artifact_takes_top_k_from_the_served_model() -> None:
         workers.append(decision.worker)
         loads[decision.worker] += 1
     assert workers[1] != workers[0] and workers[2] == workers[0]
+
+
+def test_miss_chances_stay_out_of_float32_subnormals() -> None:
+    # Requests that surely use every expert drive q = prod(1 - pi) below 1e-38 after a few
+    # joins; subnormal q made every later decision ~10x slower.
+    load = WorkerExpertLoad(2, 64)
+    sure = np.full(64, np.float32(1.0 - 2.0**-24), dtype=np.float32)
+    for _ in range(12):
+        load.add(0, sure)
+    tiny = np.finfo(np.float32).tiny
+    assert load.added_distinct(sure)[0] == pytest.approx(0.0, abs=1e-20)
+    assert (load._miss >= tiny).all()
+    load.remove(0, sure)  # the exact rebuild from logs is floored too
+    assert (load._miss >= tiny).all()
+    assert load.distinct[0] == pytest.approx(64.0)
