@@ -77,8 +77,9 @@ def bench(
         " TPOT over the best load balancer against it.")] = "0",
     locality_reference: Annotated[Path | None, typer.Option(
         help="--simulate with a locality sweep: artifact store of an `eldr fit` on your own"
-        " data; its held-out gain (prefill-to-decode agreement) is marked on the dial."
-        " Default: the simulation's artifact (--store).", show_default=False)] = None,
+        " data (same --k as the simulation's, so the gains compare); its held-out gain"
+        " (prefill-to-decode agreement) is marked on the dial. Default: the simulation's"
+        " artifact (--store).", show_default=False)] = None,
     engine_cost: Annotated[bool, typer.Option(
         "--engine-cost", help="Measure decode step time vs distinct experts on the running"
         " decode workers and fit the simulator's cost model.")] = False,
@@ -259,12 +260,13 @@ def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: Signat
                f" {requests} requests per policy")
     typer.echo(format_dial(sweep))
     result_dir.mkdir(parents=True, exist_ok=True)
-    stem = result_dir / f"sim-locality-dial-{rate}qps"
+    # Not Path.with_suffix: a rate such as 4.12 has a dot of its own.
+    numbers = result_dir / f"sim-locality-dial-{rate}qps.json"
     doc = sweep_json(sweep, {"source": source, "duration_s": config.duration_s,
                              "seed": config.seed})
-    stem.with_suffix(".json").write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    plot = plot_locality_dial(sweep, stem.with_suffix(".png"),
+    numbers.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    plot = plot_locality_dial(sweep, result_dir / f"sim-locality-dial-{rate}qps.png",
                               title=f"{source}: locality dial at {rate} req/s,"
                               f" {requests} requests per policy per point")
     typer.echo(f"plot: {plot}")
-    typer.echo(f"numbers: {stem.with_suffix('.json')}")
+    typer.echo(f"numbers: {numbers}")

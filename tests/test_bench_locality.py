@@ -237,3 +237,54 @@ def test_rate_grammar() -> None:
         parse_rates("0%")
     with pytest.raises(EldrError, match="need --simulate"):
         resolve_rates(parse_rates("auto"), None)
+
+
+def test_cli_sweeps_the_dial_at_a_rate_from_capacity(arrays, tmp_path: Path) -> None:
+    """`eldr bench --simulate --request-rate 50% --locality-blend 0,1`: the rate it chose and
+    why, the dial's table, its plot and its numbers."""
+    import orjson
+    from typer.testing import CliRunner
+
+    from eldr_cli.app import app
+    from stages.signature.dataset import CaptureRecord, SignatureDataset
+
+    dataset = SignatureDataset.create_or_open(tmp_path / "sig.zarr", IDENTITY, "test")
+    dataset.append([
+        CaptureRecord(id=f"r{i}", domain="d", prompt_sha256="",
+                      prompt_tokens=int(arrays.prompt_tokens[i]),
+                      output_tokens=int(arrays.output_tokens[i]),
+                      prefill_counts=arrays.prefill_counts[i],
+                      decode_counts=arrays.decode_counts[i])
+        for i in range(len(arrays))
+    ])
+    config = FitConfig(k=4, seed=1, num_pairs=3000, gain=GainConfig(num_resamples=200))
+    fit_artifact(arrays.prefill_counts, arrays.decode_counts, IDENTITY, dataset.content_hash(),
+                 config, ArtifactStore(tmp_path / "store"))
+    out = tmp_path / "results"
+    result = CliRunner().invoke(app, [
+        "bench", "--simulate", "--data", str(tmp_path / "sig.zarr"), "--store",
+        str(tmp_path / "store"), "--policies", "eldr,eldr-union,rr,jsq", "--prefill", "2",
+        "--decode", "4", "--duration", "3", "--cost", "cpu", "--request-rate", "50%",
+        "--locality-blend", "0,1", "--result-dir", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "(50%) req/s: capacity" in result.output
+    assert "decode 4 workers x 128 slots" in result.output
+    assert "agreement (B=4)" in result.output and "at s = 0.00" in result.output
+    [png] = out.glob("sim-locality-dial-*qps.png")
+    doc = orjson.loads(png.parent.joinpath(png.name[:-4] + ".json").read_bytes())
+    assert doc["strengths"] == [0.0, 1.0] and doc["data_mark"]["strength"] == 0.0
+    assert doc["source"] == "2P4D simulated, cost cpu-like, syn"
+    with pytest.raises(EldrError, match="one --request-rate"):
+        from eldr_cli.bench_cmd import bench
+
+        bench(simulate=True, request_rate="auto", locality_blend="0,1")
+
+
+def test_live_shape_reads_the_proxy_state() -> None:
+    from stages.bench.results import live_shape
+
+    state = {"prefill_workers": [{}], "decode_workers": [{}, {}]}
+    assert live_shape({"proxy_state": {"rr": state}}) == "1P2D"
+    assert live_shape({"decode_urls": ["a", "b"]}) == "2D"
+    assert live_shape({}) == ""

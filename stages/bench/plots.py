@@ -26,34 +26,46 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-# Policies whose curves coincide (rr and jsq at low load) stay visible: each gets its own dash
-# and, where points are drawn, its own marker.
+# Policies whose curves coincide (rr, jsq and p2c often do) stay visible: each gets its own
+# dash and its own hollow marker, a size smaller than the one before, so markers drawn on one
+# point nest instead of hiding each other.
 _STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 _MARKERS = ("o", "s", "^", "v", "D", "P", "X")
 
 
 def _style(i: int) -> dict[str, object]:
-    return {"linestyle": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)]}
+    return {
+        "linestyle": _STYLES[i % len(_STYLES)],
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "markersize": 10.0 - 0.8 * (i % len(_MARKERS)),
+        "markerfacecolor": "none",
+        "markeredgewidth": 1.4,
+        "linewidth": 1.4,
+    }
 
 
 def plot_tpot_distribution(
     results: Mapping[str, PolicyResult], path: Path, title: str = ""
 ) -> Path:
     """Empirical CDF of per-request TPOT for each policy (tails at the top right)."""
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    for i, (name, result) in enumerate(results.items()):
-        tpot = np.sort(result.table.tpot_s()) * 1000.0
+    tpots = {name: np.sort(r.table.tpot_s()) * 1000.0 for name, r in results.items()}
+    # Counts in the legend only when they differ (failed requests); the title has the rest.
+    counted = len({t.size for t in tpots.values()}) > 1
+    for i, (name, tpot) in enumerate(tpots.items()):
         if tpot.size == 0:
             continue
+        # A marker every eighth of the requests, at offsets that differ per policy.
+        every = max(1, tpot.size // 8)
         ax.plot(tpot, np.arange(1, tpot.size + 1) / tpot.size, drawstyle="steps-post",
-                linestyle=_STYLES[i % len(_STYLES)], linewidth=1.6,
-                label=f"{name} ({tpot.size} requests)")
+                markevery=(i * every // len(tpots), every),
+                label=f"{name} ({tpot.size} requests)" if counted else name, **_style(i))
     ax.set_xlabel("TPOT (ms per output token)")
     ax.set_ylabel("cumulative fraction of requests (CDF)")
     ax.set_title(title or "TPOT distribution")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -67,7 +79,7 @@ def plot_rate_sweep(sweep: Sequence[ComparisonResult], path: Path, title: str = 
     ordered = sorted(sweep, key=lambda c: c.request_rate)
     finite = [c for c in ordered if math.isfinite(c.request_rate)]
     policies = list(dict.fromkeys(p for c in finite for p in c.policies))
-    fig = Figure(figsize=(13, 4), layout="constrained")
+    fig = Figure(figsize=(14, 4.2), layout="constrained")
     axes = fig.subplots(1, len(panels))
     for ax, (key, label) in zip(axes, panels, strict=True):
         for i, name in enumerate(policies):
@@ -81,7 +93,8 @@ def plot_rate_sweep(sweep: Sequence[ComparisonResult], path: Path, title: str = 
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(title or "policies against request rate")
     return _save(fig, path)
 
@@ -128,9 +141,9 @@ def write_plots(
 def plot_locality_dial(sweep: LocalitySweep, path: Path, title: str = "") -> Path:
     """TPOT p50 and p99 over the best load balancer against the locality dial and, when the
     sweep has one, the agreement curve that places the user's data on it (a vertical line in
-    every panel)."""
+    every panel, named in the legend under the figure)."""
     panels = 3 if sweep.curve else 2
-    fig = Figure(figsize=(4.7 * panels, 4.4), layout="constrained")
+    fig = Figure(figsize=(4.7 * panels, 4.6), layout="constrained")
     axes = list(fig.subplots(1, panels))
     xs = list(sweep.strengths)
     for ax, (key, label) in zip(axes[:2], RATIO_KEYS, strict=True):
@@ -138,7 +151,7 @@ def plot_locality_dial(sweep: LocalitySweep, path: Path, title: str = "") -> Pat
             ax.plot(xs, ys, label=name, **_style(i))
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_ylabel(f"{label} / best load balancer's")
-    axes[0].legend(fontsize=8)
+        ax.set_title(f"{label} over the best load balancer at each s", fontsize=9)
     mark = sweep.mark
     if sweep.curve:
         ax_a = axes[2]
@@ -147,28 +160,28 @@ def plot_locality_dial(sweep: LocalitySweep, path: Path, title: str = "") -> Pat
         lo, hi = (np.array([a.interval[j] for _, a in sweep.curve]) for j in (0, 1))
         ax_a.fill_between(strengths, lo, hi, color="tab:blue", alpha=0.2,
                           label="95% interval")
-        ax_a.plot(strengths, value, color="tab:blue", label="blended simulated dataset")
+        ax_a.plot(strengths, value, color="tab:blue", label="simulated data, blended")
         swept = np.isin(strengths, xs)
         ax_a.plot(strengths[swept], value[swept], "o", color="tab:blue",
                   label="swept strengths")
         ax_a.axhline(0.0, color="black", linewidth=0.8)
         if mark is not None:
-            ax_a.axhline(mark.agreement, color="tab:red", linewidth=1.0, linestyle="--",
-                         label=f"{mark.source}: {mark.agreement:.3f}")
+            ax_a.axhline(mark.agreement, color="tab:red", linewidth=1.0, linestyle=":",
+                         label=f"your data: {mark.agreement:.3f}")
+            ax_a.set_title(f"your data: {mark.source}", fontsize=9)
         ax_a.set_ylabel(f"held-out distinct-expert reduction, batch {sweep.batch}")
-        ax_a.legend(fontsize=8, loc="center right")
+        ax_a.legend(fontsize=8, loc="upper right")
     for ax in axes:
         ax.set_xlabel("locality blend s (0 = own decode, 1 = another request's)")
         ax.set_xlim(-0.03, 1.03)
         ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
     if mark is not None:
-        # The mark's label sits beside its line, on the side with room.
-        right = mark.strength < 0.7
         for ax in axes:
-            ax.axvline(mark.strength, color="tab:red", linewidth=1.2, linestyle="--")
-            ax.annotate(f"your data: s = {mark.strength:.2f}", (mark.strength, 0.98),
-                        xycoords=("data", "axes fraction"), xytext=(4 if right else -4, 0),
-                        textcoords="offset points", ha="left" if right else "right",
-                        va="top", fontsize=8, color="tab:red")
+            line = ax.axvline(mark.strength, color="tab:red", linewidth=1.2, linestyle="--")
+        handles.append(line)
+        labels.append(f"your data: s = {mark.strength:.2f}")
+    # One legend under the figure: inside, the curves fill every corner of the ratio panels.
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(title or "policies against the locality dial")
     return _save(fig, path)
