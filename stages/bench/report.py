@@ -10,7 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-BASELINES = ("rr", "jsq", "random", "p2c")
+from stages.routing.policies import POLICIES
+
+# The load balancers: the registered policies that read neither features nor counts.
+BASELINES = tuple(
+    name for name, cls in POLICIES.items() if not (cls.uses_signature or cls.uses_counts)
+)
 RATIO_KEYS = (("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"))
 COLUMNS = (
     ("median_ttft_ms", "TTFT p50"),
