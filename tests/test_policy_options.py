@@ -31,12 +31,13 @@ def other_value(name: str, key: str) -> object:
     """A value of option ``key`` of policy ``name`` that it accepts and is not its default."""
     kind = param_types(POLICIES[name].Params)[key]
     default = getattr(policy_params(name), key)
+    # Built for the option's type only: the others' arithmetic would fail on its default.
     candidates: list[object] = {
-        float: [default / 2, default * 2, 0.5, 0.0, 1.0],
-        int: [default + 1, default - 1],
-        bool: [not default],
-        str: [f"{default}-other"],
-    }[kind]
+        float: lambda: [default / 2, default * 2, 0.5, 0.0, 1.0],
+        int: lambda: [default + 1, default - 1],
+        bool: lambda: [not default],
+        str: lambda: [f"{default}-other", "gpu", "cpu"],  # eldr-union's cost takes a preset
+    }[kind]()
     for value in candidates:
         if value == default:
             continue

@@ -304,3 +304,30 @@ def test_miss_chances_stay_out_of_float32_subnormals() -> None:
     load.remove(0, sure)  # the exact rebuild from logs is floored too
     assert (load._miss >= tiny).all()
     assert load.distinct[0] == pytest.approx(64.0)
+
+
+def test_cost_option_picks_the_model_it_weighs_with(tmp_path) -> None:
+    # Batch slots free, experts dear: a shared expert is worth more load than with COST.
+    experts_only = CostModel(num_layers=LAYERS, base_s=1e-3, per_token_s=0.0, per_expert_s=1e-2)
+    path = tmp_path / "cost-model.json"
+    experts_only.save(path)
+    context = RoutingContext(2, top_k=TOP_K, cost=COST)
+
+    def choice(params: UnionParams) -> int:
+        # 25 requests share A's experts on worker 0, one B runs on worker 1; one more A comes.
+        p = EldrUnionPolicy(context, params)
+        dispatch(p, 1, B, "b", [0, 0])
+        for i in range(25):
+            dispatch(p, 0, A, f"a{i}", [i, 1])
+        return p.choose(req([25, 1], A))
+
+    assert choice(UnionParams(load_slack=100.0)) == 1  # COST: a batch slot outweighs experts
+    assert choice(UnionParams(load_slack=100.0, cost=str(path))) == 0  # the file's: experts
+    with pytest.raises(EldrError, match="cost"):
+        UnionParams(cost=str(tmp_path / "missing.json"))
+    other = CostModel(num_layers=LAYERS + 1, base_s=1e-3, per_token_s=0.0, per_expert_s=1e-2)
+    other.save(tmp_path / "other.json")
+    # Fitted on another model: the preset stands in, so it does not route as the file says.
+    p = EldrUnionPolicy(context, UnionParams(cost=str(tmp_path / "other.json")))
+    p.choose(req([0, 0], A))
+    assert p._step is not None and p._step.per_seq > 0

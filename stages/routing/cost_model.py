@@ -210,6 +210,9 @@ def cpu_like(num_layers: int) -> CostModel:
     )
 
 
+COST_PRESETS = ("gpu", "cpu")
+
+
 def cost_model_for(spec: str, num_layers: int, num_experts: int) -> CostModel:
     """``spec`` as the CLI takes it: ``gpu`` (GPU-like preset, the default of
     ``eldr bench --simulate``), ``cpu``, or a JSON file from ``eldr bench --engine-cost``."""

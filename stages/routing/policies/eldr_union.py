@@ -26,21 +26,31 @@ the request goes to the least-loaded worker with random ties, and counts only as
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
-from stages.routing.cost_model import CostModel, cpu_like, gpu_like
+from stages.routing.cost_model import (
+    COST_PRESETS,
+    CostModel,
+    cost_model_for,
+    cpu_like,
+    gpu_like,
+)
 from stages.routing.inputs import signature_counts
-from stages.routing.params import check_range, option
+from stages.routing.params import ParamError, check_range, option
 from stages.routing.policies.base import DecodePolicy, RoutingRequest
 from stages.routing.policies.expert_load import WorkerExpertLoad
 from stages.routing.policies.select import least_loaded_random
 from stages.signature.inclusion import inclusion_probabilities
+
+log = logging.getLogger(__name__)
 
 # Workers whose added latency is within this relative margin of the best tie (random pick):
 # empty workers are exact ties, and float noise must not send them all to the lowest index.
@@ -56,9 +66,32 @@ _PI_MAX32 = np.float32(1.0 - 2.0**-24)
 class UnionParams:
     load_slack: float = option(DEFAULT_LOAD_SLACK, "a worker may hold max(1, load_slack x"
                                " mean load) more requests than the least loaded")
+    cost: str = option("", "the decode step-time model it weighs experts against batch"
+                       " slots with: gpu, cpu, or a JSON file of `eldr bench --engine-cost`;"
+                       " empty: the simulated engine's, else the gpu preset")
 
     def __post_init__(self) -> None:
         check_range("load_slack", self.load_slack, 0.0)
+        if self.cost not in ("", *COST_PRESETS):
+            # Read now, so a wrong path fails where it was given (start-up, the admin call),
+            # not at the first request; the model's shape is checked once it is known.
+            try:
+                CostModel.load(Path(self.cost))
+            except EldrError as exc:
+                raise ParamError("cost", f"cost: {exc}") from None
+
+    def step_cost(self, fallback: CostModel | None, num_layers: int, num_experts: int) -> (
+        CostModel
+    ):
+        """The model to weigh with, for signatures of this shape: the chosen one, else
+        ``fallback`` (the simulated engine's), else the preset; one fitted on a model with
+        other layers says nothing of this one, so the preset stands in (with a warning)."""
+        cost = cost_model_for(self.cost, num_layers, num_experts) if self.cost else fallback
+        if cost is not None and cost.num_layers != num_layers:
+            log.warning("eldr-union: cost model %r is for %d MoE layers, the signatures have"
+                        " %d; using the preset", self.cost, cost.num_layers, num_layers)
+            cost = None
+        return cost or default_cost(num_layers, num_experts)
 
 
 def default_cost(num_layers: int, num_experts: int) -> CostModel:
@@ -156,7 +189,7 @@ class EldrUnionPolicy(DecodePolicy):
             if len(shape) != 2:
                 return False
             num_layers, num_experts = int(shape[0]), int(shape[1])
-            cost = self.cost or default_cost(num_layers, num_experts)
+            cost = self.params.step_cost(self.cost, num_layers, num_experts)
             self._step = _StepCost(
                 fixed=cost.base_s + cost.num_layers * cost.moe_fixed_s,
                 per_seq=cost.per_token_s,
