@@ -33,16 +33,20 @@ for _ in $(seq 600); do
 done
 curl -sf http://127.0.0.1:8000/health >/dev/null || { echo "proxy not ready" >&2; exit 1; }
 
+# The curve behind it all, measured first: decode step time against distinct experts on these
+# workers, fitted into a cost model. eldr-union weighs experts against batch slots with it (the
+# GPU preset it would use otherwise prices a batch slot far above what it costs here), and the
+# simulations below run on it.
+$ELDR bench --engine-cost --url http://127.0.0.1:8000
+COST="$ELDR_HOME/results/cost-model.json"
+
 # Poisson arrivals with at most 12 requests in flight: every policy decodes batches of ~6 at
 # the same load (the regime where the experts a batch shares decide step time), and with 8
 # batch slots per worker a locality policy still has room to choose.
 $ELDR bench --url http://127.0.0.1:8000 --policies eldr,eldr-bl,eldr-union,rr,jsq,random,p2c \
   --num-prompts "${DEMO_PROMPTS:-60}" --request-rate "${DEMO_RATE:-4}" \
-  --max-concurrency "${DEMO_CONCURRENCY:-12}" --max-tokens "${DEMO_TOKENS:-64}" --rounds 3
-
-# The curve behind it all: decode step time against distinct experts on these workers, fitted
-# into the simulator's cost model; then an 8P16D cluster simulated with it and a GPU-like one.
-$ELDR bench --engine-cost --url http://127.0.0.1:8000
+  --max-concurrency "${DEMO_CONCURRENCY:-12}" --max-tokens "${DEMO_TOKENS:-64}" --rounds 3 \
+  --policy-config "{\"eldr-union\": {\"cost\": \"$COST\"}}"
 stop_serve
 trap - EXIT
 $ELDR fit --k 16 --balanced
@@ -51,7 +55,7 @@ $ELDR fit --k 16 --balanced
 # The fitted CPU cost decodes the live bench's answer length: a 512-token answer would take
 # ~200 s on it, longer than the run, so the cluster would never settle.
 $ELDR bench --simulate --prefill 8 --decode 16 --request-rate auto --duration 120 \
-  --output-tokens "${DEMO_TOKENS:-64}" --cost "$ELDR_HOME/results/cost-model.json" \
+  --output-tokens "${DEMO_TOKENS:-64}" --cost "$COST" \
   --result-dir "$ELDR_HOME/results/sim-fitted-cpu"
 $ELDR bench --simulate --prefill 8 --decode 16 --request-rate auto --duration 120 \
   --output-tokens 512 --cost gpu --result-dir "$ELDR_HOME/results/sim-gpu"
