@@ -211,7 +211,7 @@ def test_comparison_against_fake_proxy(tmp_path: Path) -> None:
     assert saved["completed"] == 10 and saved["policy"] == "eldr"
     # As vLLM's detailed files: one entry per request in every per-request list.
     for key in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
-                "queue_times", "generated_texts", "errors"):
+                "queue_times", "generated_texts", "errors", "prompt_ids"):
         assert len(saved[key]) == 12, key
     failed = [e for e in saved["errors"] if e]
     assert len(failed) == 2

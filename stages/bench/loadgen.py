@@ -263,6 +263,7 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
         "model_id": model_id,
         "tokenizer_id": model_id,
         "num_prompts": len(prompts),
+        "prompts_path": str(config.prompts_path),
         "max_concurrency": config.max_concurrency,
         "max_tokens": config.max_tokens,
         "seed": config.seed,

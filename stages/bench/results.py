@@ -83,6 +83,9 @@ def policy_json(
             "start_times": [r.start_s for r in records],  # from the start of its round
             "queue_times": [r.queue_s for r in records],
             "generated_texts": [r.generated_text for r in records],
+            # Which prompt each request sent: a replay (``eldr bench --simulate``) looks its
+            # signature up by id.
+            "prompt_ids": [r.prompt_id for r in records],
             "errors": [r.error for r in records],
         }
     return out
