@@ -63,7 +63,7 @@ def cluster_capacity(
     max_batch: int,
     output_tokens: int | None,
     max_output_tokens: int,
-    first_token_from_prefill: bool = True,
+    first_token_from_prefill: bool = False,
 ) -> Capacity:
     """The capacity of the cluster ``SimConfig`` describes, on this dataset (the simulator
     draws its requests uniformly from the rows)."""
@@ -75,7 +75,8 @@ def cluster_capacity(
     pi = decode_inclusion(arrays.decode_counts, top_k, arrays.prefill_counts)
     miss = (1.0 - pi.mean(axis=0)) ** max_batch  # [L, E]
     distinct = float((1.0 - miss).sum(axis=1).mean())
-    step = float(cost.step_time(max_batch, distinct))
+    # A worker per core, as the simulator runs them unless told the cores they share.
+    step = float(cost.on_own_core().step_time(max_batch, distinct))
     prompt = np.maximum(arrays.prompt_tokens.astype(np.float64), 1.0)
     prefill_s = float(np.mean(cost.prefill_time(prompt)))
     return Capacity(

@@ -1,10 +1,12 @@
 """The simulated request stream: what every policy faces, identical across policies.
 
 Arrivals are Poisson over the run; each request is a dataset row drawn with replacement (its
-prompt length, prefill signature and decode profile); prefill is policy independent (P
-workers, FIFO, one request at a time), so prefill completion times are computed once here.
-How much a row's prefill says about its decode is the dataset's business: the simulator blends
-it first for the locality dial (``locality_blend``).
+prompt length, prefill signature and decode profile). A replay of a live run
+(``stages.bench.replay``) gives its own arrivals, rows and lengths instead. When a request is
+sent, and so when its prefill runs, is the simulator's business: under a concurrency cap it
+depends on how fast the policy's decode frees slots. How much a row's prefill says about its
+decode is the dataset's business too: the simulator blends it first for the locality dial
+(``locality_blend``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ import numpy as np
 
 from stages.bench.arrivals import poisson_arrivals_until
 from stages.errors import EldrError
-from stages.routing.cost_model import CostModel
 from stages.signature.dataset import SignatureArrays
 
-PREFILL_ROUTING = ("round_robin", "least_loaded")
 _FEATURE_CHUNK = 1024  # rows per transform call: bounds the float copy of [rows, L, E]
 
 
@@ -43,7 +43,6 @@ class Workload:
     rows: np.ndarray  # int64 [N], dataset row of each request
     prompt_tokens: np.ndarray  # int64 [N]
     output_tokens: np.ndarray  # int64 [N], >= 2
-    prefill_end_s: np.ndarray  # float64 [N]: prefill done, first token out
     feature_rows: np.ndarray  # int64 [N] -> row of ``features``
     features: np.ndarray | None  # float32 [U, D] unit vectors, None without an artifact
 
@@ -61,27 +60,6 @@ def output_lengths(
     return np.clip(arrays.output_tokens[rows].astype(np.int64), 2, max_tokens)
 
 
-def prefill_schedule(
-    arrival_s: np.ndarray, prompt_tokens: np.ndarray, cost: CostModel, workers: int, routing: str
-) -> np.ndarray:
-    """Prefill completion time of each request (FIFO per prefill worker)."""
-    if routing not in PREFILL_ROUTING:
-        raise EldrError(f"prefill routing must be one of {PREFILL_ROUTING}, got {routing!r}")
-    service = cost.prefill_time(prompt_tokens)
-    free_at = [0.0] * workers
-    end = np.empty_like(arrival_s)
-    for i, (t, s) in enumerate(zip(arrival_s.tolist(), service.tolist(), strict=True)):
-        if routing == "round_robin":
-            w = i % workers
-        else:
-            # Least loaded = the worker that frees up first (its queue drains soonest).
-            w = min(range(workers), key=free_at.__getitem__)
-        done = max(t, free_at[w]) + s
-        free_at[w] = done
-        end[i] = done
-    return end
-
-
 def route_features(
     arrays: SignatureArrays, rows: np.ndarray, artifact: RoutingArtifact
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -96,12 +74,9 @@ def route_features(
 
 def build_workload(
     arrays: SignatureArrays,
-    cost: CostModel,
     *,
     request_rate: float,
     duration_s: float,
-    num_prefill: int,
-    prefill_routing: str,
     output_tokens: int | None,
     max_output_tokens: int,
     seed: int,
@@ -112,16 +87,37 @@ def build_workload(
     arrival = poisson_arrivals_until(request_rate, duration_s, seed)
     rng = np.random.default_rng([seed, 1])  # a stream apart from the arrivals'
     rows = rng.integers(0, len(arrays), size=arrival.size)
-    prompt = np.maximum(arrays.prompt_tokens[rows].astype(np.int64), 1)
+    return workload_of(
+        arrays,
+        arrival,
+        rows,
+        arrays.prompt_tokens[rows],
+        output_lengths(arrays, rows, output_tokens, max_output_tokens),
+        artifact,
+    )
+
+
+def workload_of(
+    arrays: SignatureArrays,
+    arrival_s: np.ndarray,
+    rows: np.ndarray,
+    prompt_tokens: np.ndarray,
+    output_tokens: np.ndarray,
+    artifact: RoutingArtifact | None,
+) -> Workload:
+    """The workload of these requests (sorted by arrival), their routing features computed."""
+    arrival_s = np.asarray(arrival_s, dtype=np.float64)
+    if np.any(np.diff(arrival_s) < 0):
+        raise EldrError("request arrivals must be sorted")
+    rows = np.asarray(rows, dtype=np.int64)
     features, feature_rows = (None, np.zeros(rows.size, dtype=np.int64))
     if artifact is not None:
         features, feature_rows = route_features(arrays, rows, artifact)
     return Workload(
-        arrival_s=arrival,
+        arrival_s=arrival_s,
         rows=rows,
-        prompt_tokens=prompt,
-        output_tokens=output_lengths(arrays, rows, output_tokens, max_output_tokens),
-        prefill_end_s=prefill_schedule(arrival, prompt, cost, num_prefill, prefill_routing),
+        prompt_tokens=np.maximum(np.asarray(prompt_tokens, dtype=np.int64), 1),
+        output_tokens=np.maximum(np.asarray(output_tokens, dtype=np.int64), 2),
         feature_rows=feature_rows,
         features=features,
     )

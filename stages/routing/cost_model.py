@@ -13,12 +13,18 @@ it to state the per-layer MoE ratio they reproduce.
 
 Prefill (one request at a time on a prefill worker): ``prefill_base_s + prefill_per_token_s *
 prompt_tokens``.
+
+``core_sharing``: decode workers bound to the measured worker's cores while it was measured
+(``eldr bench --engine-cost`` on workers sharing a core). vLLM's PD workers each keep their
+share of a core busy or idle (their NIXL thread busy-polls), so the decode step times are at
+``1/core_sharing`` of the core; ``on_own_core`` gives the model of a worker with its cores to
+itself, which the simulator shares out again as its own cluster binds workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +48,14 @@ class CostModel:
     prefill_base_s: float = 0.010
     prefill_per_token_s: float = 0.0001
     name: str = "custom"
+    core_sharing: int = 1  # decode workers bound to the measured worker's cores
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise EldrError(f"cost model needs num_layers >= 1, got {self.num_layers}")
+        if not isinstance(self.core_sharing, int) or self.core_sharing < 1:
+            raise EldrError(f"cost model core_sharing must be an integer >= 1, got"
+                            f" {self.core_sharing!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not (np.isfinite(value) and value >= 0):
@@ -56,6 +66,16 @@ class CostModel:
         layer on average (scalars or arrays)."""
         layer = self.moe_fixed_s + self.per_expert_s * np.asarray(distinct, dtype=np.float64)
         return self.base_s + self.per_token_s * np.asarray(batch) + self.num_layers * layer
+
+    def on_own_core(self) -> CostModel:
+        """The decode steps of a worker with its cores to itself (prefill is measured apart)."""
+        if self.core_sharing == 1:
+            return self
+        n = self.core_sharing
+        return replace(
+            self, base_s=self.base_s / n, per_token_s=self.per_token_s / n,
+            per_expert_s=self.per_expert_s / n, moe_fixed_s=self.moe_fixed_s / n, core_sharing=1,
+        )
 
     def moe_layer_time(self, distinct: float) -> float:
         return self.moe_fixed_s + self.per_expert_s * distinct
@@ -110,6 +130,7 @@ def fit_cost_model(
     num_layers: int,
     prefill_base_s: float = CostModel.prefill_base_s,
     prefill_per_token_s: float = CostModel.prefill_per_token_s,
+    core_sharing: int = 1,
 ) -> CostModel:
     """Least squares of ``step_s ~ base + per_token*batch + L*per_expert*distinct`` with
     non-negative coefficients (a negative cost is never physical; plain least squares would
@@ -137,6 +158,7 @@ def fit_cost_model(
         prefill_base_s=prefill_base_s,
         prefill_per_token_s=prefill_per_token_s,
         name="fitted",
+        core_sharing=core_sharing,
     )
 
 
