@@ -83,6 +83,15 @@ def bench(
     engine_cost: Annotated[bool, typer.Option(
         "--engine-cost", help="Measure decode step time vs distinct experts on the running"
         " decode workers and fit the simulator's cost model.")] = False,
+    replay: Annotated[list[Path] | None, typer.Option(
+        help="--simulate: replay the live run saved in this results folder (repeatable: two"
+        " or more runs also give the live run-to-run spread) with its arrivals, prompts"
+        " (--data must hold their signatures), output lengths, concurrency cap, workers and"
+        " core plan, and print simulated against live per policy.", show_default=False)] = None,
+    worker_cores: Annotated[str | None, typer.Option(
+        help="--replay: the cores each live worker ran on, '|' separated, prefill workers"
+        " first (as `eldr serve --worker-cores`). Default: eldr serve's plan on this"
+        " machine's cores.", show_default=False)] = None,
 ) -> None:
     """Compare routing policies on the live proxy with the same prompts and arrival times
     (policies interleaved through the proxy's admin API), as `vllm bench serve` reports them."""
@@ -90,7 +99,12 @@ def bench(
     prompts_path = prompts or paths.EVALUATION_PROMPTS
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     options = policy_config(policy_options)
-    if simulate:
+    if replay and not simulate:
+        raise EldrError("--replay simulates a live run: add --simulate")
+    if simulate and replay:
+        _replay(replay, data, store, cost, result_dir, seed, prompts,
+                tuple(worker_cores.split("|")) if worker_cores else None)
+    elif simulate:
         _simulate(data, store, names, request_rate, prefill, decode, duration, cost,
                   output_tokens, result_dir, seed, locality_blend, locality_reference, options)
     elif engine_cost:
@@ -145,19 +159,28 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
 
     from stages.bench.admin import ProxyAdmin, decode_worker_urls
     from stages.bench.engine_cost import EngineCostConfig, format_engine_cost, measure_engine_cost
+    from stages.bench.worker_cores import live_core_plan
 
     async def read_state() -> dict[str, object]:
         async with httpx.AsyncClient() as client:
             return await ProxyAdmin(client, url).state()
 
-    workers = decode_worker_urls(asyncio.run(read_state()))
+    state = asyncio.run(read_state())
+    workers = decode_worker_urls(state)
     layers = _num_layers()
     if layers is None:
         raise EldrError("no artifact to read the model's MoE layer count from; run `eldr fit`")
+    # Workers of a local `eldr serve` run on its core plan; the measured one shares its core
+    # with the others bound there.
+    prefill_workers = state.get("prefill_workers")
+    num_prefill = len(prefill_workers) if isinstance(prefill_workers, list) else 0
+    groups = live_core_plan(num_prefill, len(workers)).decode_groups
+    sharing = tuple(groups.count(g) for g in groups)
     # Two batch sizes x (one domain, all domains) bracket the curve in ~3 minutes on a CPU.
     result = measure_engine_cost(EngineCostConfig(
         worker_urls=workers, prompts_path=prompts, num_layers=layers, seed=seed,
         batch_sizes=(2, 8), domain_mixes=(1, 0), repeats=1, max_tokens=32, prefill_probes=0,
+        core_sharing=sharing,
     ))
     typer.echo(format_engine_cost(result))
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -227,6 +250,41 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
             f" {duration:g} s, {model.name} cost, {identity.describe()}{blend}"))
     for path in write_plots(sweep, result_dir, source + blend, prefix="sim-"):
         typer.echo(f"plot: {path}")
+
+
+def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost: str,
+            result_dir: Path, seed: int, prompts: Path | None,
+            worker_cores: tuple[str, ...] | None) -> None:
+    import orjson
+
+    from stages.bench.plots import plot_validation
+    from stages.bench.replay_run import replay_run
+    from stages.bench.validation import format_validation, validate, validation_json
+    from stages.routing.cost_model import cost_model_for
+    from stages.signature.dataset import SignatureDataset
+
+    dataset = SignatureDataset.open(data or paths.default_dataset())
+    arrays = dataset.read()
+    identity = dataset.identity
+    model = cost_model_for(cost, identity.num_layers, identity.num_experts)
+    compared = []
+    for folder in result_dirs:
+        for replayed in replay_run(folder, arrays, identity, model,
+                                   store=store or paths.default_artifact_store(), seed=seed,
+                                   prompts=prompts, worker_cores=worker_cores):
+            for note in replayed.notes:
+                typer.echo(f"note: {note}")
+            compared.append(replayed.compared)
+    checks = validate(compared)
+    typer.echo(format_validation(checks))
+    result_dir.mkdir(parents=True, exist_ok=True)
+    numbers = result_dir / "replay-validation.json"
+    numbers.write_bytes(orjson.dumps(validation_json(checks), option=orjson.OPT_INDENT_2))
+    plot = plot_validation(checks, result_dir / "replay-validation.png",
+                           title=f"replay of {len(checks)} live run(s) on cost {model.name}:"
+                           " simulated against live")
+    typer.echo(f"plot: {plot}")
+    typer.echo(f"numbers: {numbers}")
 
 
 def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: SignatureArrays,

@@ -12,6 +12,13 @@ in the prefix cache yet.
 
 Caveat the counters decide: if the plugin counts steps that also run a prefill chunk, the
 first step of each batch carries prefill time; long ``max_tokens`` dilutes it.
+
+Workers are measured one at a time while the others idle. Decode workers bound to the same
+cores still hold their share of them while idle (vLLM's PD workers busy-poll for KV
+transfers), so a worker measured beside ``n - 1`` others steps at ``1/n`` of the core's speed,
+as it does under load: the fitted model records ``n`` (``CostModel.core_sharing``, from
+``core_sharing`` here) so a simulation counts the sharing once, as its own cluster binds
+workers.
 """
 
 from __future__ import annotations
@@ -58,10 +65,16 @@ class EngineCostConfig:
     settle_s: float = 1.0
     timeout_s: float = 600.0
     seed: int = 0
+    # Decode workers bound to each measured worker's cores (it included); () = 1 each.
+    core_sharing: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.worker_urls:
             raise EldrError("give at least one decode worker URL to measure")
+        if self.core_sharing and (
+            len(self.core_sharing) != len(self.worker_urls) or min(self.core_sharing) < 1
+        ):
+            raise EldrError("core sharing needs one count >= 1 per measured worker")
         if self.num_layers < 1:
             raise EldrError(f"num_layers must be >= 1, got {self.num_layers}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -214,8 +227,16 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
         tokens, seconds = zip(*prefill_points, strict=True)
         base, per_token = fit_prefill(tokens, seconds)
         prefill_kwargs = {"prefill_base_s": base, "prefill_per_token_s": per_token}
-    samples = [m.sample for m in measurements]
-    model = fit_cost_model(samples, config.num_layers, **prefill_kwargs)
+    sharing = dict(zip(config.worker_urls, config.core_sharing or (1,) * len(config.worker_urls),
+                       strict=True))
+    # One model at one share: a worker that shared its core with fewer others is brought to
+    # the most shared one's speed (each holds 1/n of its core).
+    most = max(sharing.values())
+    samples = [
+        replace(m.sample, step_s=m.sample.step_s * most / sharing[m.worker_url])
+        for m in measurements
+    ]
+    model = fit_cost_model(samples, config.num_layers, core_sharing=most, **prefill_kwargs)
     return EngineCostResult(
         tuple(measurements), model, fit_quality(model, samples), tuple(prefill_points)
     )
@@ -246,6 +267,11 @@ def format_engine_cost(result: EngineCostResult) -> str:
         f" + {c.num_layers} x {c.per_expert_s * 1e3:.4f} ms x experts/L"
         f"   (R^2 {result.quality['r2']:.3f}, RMSE {result.quality['rmse_ms']:.3f} ms)"
     )
+    if c.core_sharing > 1:
+        lines.append(
+            f"measured at 1/{c.core_sharing} of a core (each worker shared its core with"
+            f" {c.core_sharing - 1} idle one(s), which keep their share)"
+        )
     lines.append(
         f"prefill: {c.prefill_base_s * 1e3:.2f} ms + {c.prefill_per_token_s * 1e3:.4f} ms x tokens"
         + ("" if result.prefill_points else " (default, not measured)")

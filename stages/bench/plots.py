@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 
 from stages.bench.report import RATIO_KEYS
 from stages.bench.results import ComparisonResult, PolicyResult, rate_label
+from stages.bench.validation import METRICS, RunCheck
 
 if TYPE_CHECKING:
     from stages.bench.locality_sweep import LocalitySweep
@@ -184,4 +185,37 @@ def plot_locality_dial(sweep: LocalitySweep, path: Path, title: str = "") -> Pat
     # One legend under the figure: inside, the curves fill every corner of the ratio panels.
     fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(title or "policies against the locality dial")
+    return _save(fig, path)
+
+
+def plot_validation(runs: Sequence[RunCheck], path: Path, title: str = "") -> Path:
+    """Simulated over live per policy, a panel per judged metric: one marker per live run
+    (filled past its tolerance), the base tolerance shaded around 1."""
+    judged = [m for m in METRICS if m.tolerance is not None]
+    policies = list(dict.fromkeys(p for r in runs for p in r.checks))
+    fig = Figure(figsize=(4.6 * len(judged), 4.4), layout="constrained")
+    axes = fig.subplots(1, len(judged))
+    xs = np.arange(len(policies))
+    for ax, metric in zip(axes, judged, strict=True):
+        assert metric.tolerance is not None
+        ax.axhspan(1 - metric.tolerance, 1 + metric.tolerance, color="tab:green", alpha=0.15)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        for i, run in enumerate(runs):
+            style = _style(i)
+            for x, policy in zip(xs, policies, strict=True):
+                check = run.checks.get(policy, {}).get(metric.key)
+                if check is None:
+                    continue
+                ax.plot(x + 0.12 * (i - (len(runs) - 1) / 2), check.ratio,
+                        marker=style["marker"], markersize=8, color=f"C{i}",
+                        markerfacecolor=f"C{i}" if check.ok is False else "none",
+                        linestyle="none", label=run.name if x == 0 else None)
+        ax.set_xticks(xs, policies, rotation=30, fontsize=8)
+        ax.set_ylabel(f"{metric.label}: simulated / live")
+        ax.set_title(f"{metric.label} (shaded: within {metric.tolerance:.0%})", fontsize=9)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=max(1, len(labels)),
+               fontsize=8)
+    fig.suptitle(title or "replay: simulated against live")
     return _save(fig, path)

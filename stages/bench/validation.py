@@ -1,0 +1,196 @@
+"""Simulated against live: a replay's figures beside the live run's, judged by tolerances.
+
+TPOT p50 and p99 must lie within 10% of live, or within the live run-to-run spread of that
+policy (max - min over the runs compared, over their mean) when that is larger; distinct
+experts per layer per decode step within 5%. ITL and TTFT are shown beside them, not judged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Metrics = Mapping[str, Mapping[str, float]]  # policy -> metric key -> value
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    tolerance: float | None  # relative; None: shown, not judged
+    spread_counts: bool = False  # the live run-to-run spread widens the tolerance
+
+
+METRICS = (
+    Metric("p50_tpot_ms", "TPOT p50", 0.10, spread_counts=True),
+    Metric("p99_tpot_ms", "TPOT p99", 0.10, spread_counts=True),
+    Metric("p50_itl_ms", "ITL p50", None),
+    Metric("p99_itl_ms", "ITL p99", None),
+    Metric("distinct_experts_per_layer", "experts/L", 0.05),
+    Metric("p50_ttft_ms", "TTFT p50", None),
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    sim: float
+    live: float
+    tolerance: float | None  # the one applied (spread included); None: not judged
+
+    @property
+    def ratio(self) -> float:
+        return self.sim / self.live if self.live else float("nan")
+
+    @property
+    def ok(self) -> bool | None:
+        if self.tolerance is None:
+            return None
+        return math.isfinite(self.ratio) and abs(self.ratio - 1.0) <= self.tolerance + 1e-12
+
+
+@dataclass(frozen=True)
+class Compared:
+    """One live run's figures and its replay's."""
+
+    name: str  # short, for legends
+    header: str  # what ran, for the table's heading
+    live: Metrics
+    sim: Metrics
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """One live run's policies, simulated against live."""
+
+    name: str
+    header: str
+    checks: dict[str, dict[str, Check]]  # policy -> metric key -> check
+
+    def failures(self) -> list[tuple[str, str]]:
+        return [
+            (policy, key)
+            for policy, checks in self.checks.items()
+            for key, check in checks.items()
+            if check.ok is False
+        ]
+
+
+def live_spread(lives: Sequence[Metrics], policy: str, key: str) -> float:
+    """(max - min) / mean of a policy's live figure over the runs (0 for one run)."""
+    values = [float(m[policy][key]) for m in lives if policy in m and key in m[policy]]
+    values = [v for v in values if math.isfinite(v)]
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return (max(values) - min(values)) / mean if mean else 0.0
+
+
+def validate(runs: Sequence[Compared]) -> list[RunCheck]:
+    """Each run's checks; the live spread is taken over all of them."""
+    lives = [r.live for r in runs]
+    out = []
+    for run in runs:
+        live, sim = run.live, run.sim
+        checks: dict[str, dict[str, Check]] = {}
+        for policy in live:
+            if policy not in sim:
+                continue
+            row = {}
+            for metric in METRICS:
+                tolerance = metric.tolerance
+                if tolerance is not None and metric.spread_counts:
+                    tolerance = max(tolerance, live_spread(lives, policy, metric.key))
+                row[metric.key] = Check(
+                    float(sim[policy].get(metric.key, math.nan)),
+                    float(live[policy].get(metric.key, math.nan)),
+                    tolerance,
+                )
+            checks[policy] = row
+        out.append(RunCheck(run.name, run.header, checks))
+    return out
+
+
+def _cell(check: Check) -> str:
+    mark = {True: " ", False: "!", None: " "}[check.ok]
+    return f"{check.sim:.1f}/{check.live:.1f} {check.ratio:.2f}{mark}"
+
+
+def format_run_check(run: RunCheck) -> str:
+    """One row per policy: sim/live and their ratio per metric, ``!`` past its tolerance."""
+    width = max([len("policy"), *(len(p) for p in run.checks)])
+    cells = {p: [_cell(row[m.key]) for m in METRICS] for p, row in run.checks.items()}
+    widths = [
+        max(len(m.label + " sim/live"), *(len(c[i]) for c in cells.values()))
+        for i, m in enumerate(METRICS)
+    ]
+    head = f"{'policy':<{width}}  " + "  ".join(
+        f"{m.label + ' sim/live':>{w}}" for m, w in zip(METRICS, widths, strict=True)
+    )
+    lines = [run.header, head + "  verdict", "-" * (len(head) + 9)]
+    for policy, row in run.checks.items():
+        failed = [m for m in METRICS if row[m.key].ok is False]
+        verdict = "ok" if not failed else "off: " + ", ".join(
+            f"{m.label} {row[m.key].ratio - 1:+.0%} (tol {row[m.key].tolerance:.0%})"
+            for m in failed
+        )
+        lines.append(
+            f"{policy:<{width}}  "
+            + "  ".join(f"{c:>{w}}" for c, w in zip(cells[policy], widths, strict=True))
+            + f"  {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def format_validation(runs: Sequence[RunCheck]) -> str:
+    judged = ", ".join(
+        f"{m.label} within {m.tolerance:.0%}" + (" or the live spread" if m.spread_counts else "")
+        for m in METRICS
+        if m.tolerance is not None
+    )
+    failures = sum(len(r.failures()) for r in runs)
+    total = sum(
+        1 for r in runs for row in r.checks.values() for c in row.values() if c.ok is not None
+    )
+    verdict = (
+        f"validation passed: {total} of {total} checks within tolerance"
+        if not failures
+        else f"validation failed: {failures} of {total} checks out of tolerance (marked !)"
+    )
+    return "\n\n".join(
+        [*(format_run_check(r) for r in runs),
+         f"simulated/live per metric, ratio after; judged: {judged}\n{verdict}"]
+    )
+
+
+def validation_json(runs: Sequence[RunCheck]) -> dict[str, object]:
+    def number(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return {
+        "metrics": {
+            m.key: {"label": m.label, "tolerance": m.tolerance, "spread_counts": m.spread_counts}
+            for m in METRICS
+        },
+        "passed": not any(r.failures() for r in runs),
+        "runs": [
+            {
+                "name": r.name,
+                "header": r.header,
+                "policies": {
+                    policy: {
+                        key: {
+                            "sim": number(c.sim),
+                            "live": number(c.live),
+                            "ratio": number(c.ratio),
+                            "tolerance": c.tolerance,
+                            "ok": c.ok,
+                        }
+                        for key, c in row.items()
+                    }
+                    for policy, row in r.checks.items()
+                },
+            }
+            for r in runs
+        ],
+    }

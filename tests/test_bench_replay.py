@@ -1,0 +1,303 @@
+"""Replaying a live run in the simulator: closed-loop admission, shared cores, the proxy's
+first-token accounting, reading a results folder back, and `eldr bench --simulate --replay`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from stages.bench.metrics import RequestRecord, RequestTable
+from stages.bench.replay import load_live_runs, replay_workloads
+from stages.bench.results import ComparisonResult, PolicyResult, save_comparison
+from stages.bench.shared_cores import SharedCores, core_groups
+from stages.bench.sim_workload import workload_of
+from stages.bench.simulator import SimConfig, simulate, simulate_segments
+from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
+from stages.bench.validation import Compared, validate
+from stages.bench.worker_cores import live_core_plan
+from stages.errors import EldrError
+from stages.routing.cost_model import CostModel
+from stages.signature.dataset import SignatureArrays
+
+SPEC = SyntheticSpec(
+    num_requests=120, num_layers=2, num_experts=8, top_k=2, num_domains=2, domain_experts=3,
+    min_output=8, max_output=16, prompt_median=32, seed=4,
+)
+COST = CostModel(
+    num_layers=2, base_s=0.01, per_token_s=1e-3, per_expert_s=2e-3, prefill_base_s=0.004,
+    prefill_per_token_s=1e-5,
+)
+# Every step and prefill takes exactly these, whatever the batch: timings checkable by hand.
+STEP_S, PREFILL_S, KV_S = 0.1, 0.02, 0.005
+FLAT = CostModel(num_layers=2, base_s=STEP_S, per_token_s=0.0, per_expert_s=0.0,
+                 prefill_base_s=PREFILL_S, prefill_per_token_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def arrays() -> SignatureArrays:
+    return synthetic_signatures(SPEC)
+
+
+def _config(**kw) -> SimConfig:
+    base = SimConfig(cost=COST, num_prefill=1, num_decode=2, request_rate=50.0, duration_s=4.0,
+                     max_batch=8, policies=("rr", "jsq"), seed=2)
+    return replace(base, **kw)
+
+
+def _one_worker(arrays: SignatureArrays, arrival: list[float], tokens: int, **kw):
+    """A 1P1D run of FLAT on rows 0.. arriving at ``arrival``, each ``tokens`` long."""
+    n = len(arrival)
+    workload = workload_of(arrays, np.array(arrival), np.arange(n), np.full(n, 10),
+                           np.full(n, tokens), None)
+    config = _config(cost=FLAT, num_decode=1, policies=("rr",), kv_transfer_s=KV_S,
+                     step_noise=False, **kw)
+    return simulate_segments(config, arrays, None, {"rr": [workload]}, top_k=SPEC.top_k)["rr"]
+
+
+# -- closed loop -----------------------------------------------------------------------------
+def test_closed_loop_never_exceeds_the_cap(arrays) -> None:
+    config = _config(request_rate=200.0, duration_s=1.0, max_concurrency=5)
+    for result in simulate(config, arrays, None, top_k=SPEC.top_k).values():
+        assert result.metrics["max_concurrent_requests"] == 5  # overloaded: always full
+        assert result.metrics["completed"] == len(result.table)
+    open_loop = simulate(replace(config, max_concurrency=None), arrays, None, top_k=SPEC.top_k)
+    assert open_loop["rr"].metrics["max_concurrent_requests"] > 5
+
+
+def test_closed_loop_is_open_loop_when_the_cap_never_binds(arrays) -> None:
+    config = _config()
+    open_loop = simulate(config, arrays, None, top_k=SPEC.top_k)
+    capped = simulate(replace(config, max_concurrency=10_000), arrays, None, top_k=SPEC.top_k)
+    for name in config.policies:
+        assert capped[name].metrics == pytest.approx(open_loop[name].metrics, nan_ok=True)
+
+
+def test_a_capped_request_waits_and_its_wait_is_not_in_its_latency(arrays) -> None:
+    # Both arrive at 0 with one slot: the second is sent when the first is done.
+    alone = _one_worker(arrays, [0.0], 4)
+    capped = _one_worker(arrays, [0.0, 0.0], 4, max_concurrency=1)
+    assert capped.table.latency_s == pytest.approx([alone.table.latency_s[0]] * 2)
+
+
+# -- shared cores ----------------------------------------------------------------------------
+def test_processor_sharing_two_busy_take_twice_as_long_a_lone_one_normal_speed() -> None:
+    cores = SharedCores((0, 0), mode="busy")
+    [a] = cores.begin(0, 0.0, 1.0)
+    assert a.at == pytest.approx(1.0)  # alone on its core
+    ends = {e.worker: e for e in cores.begin(1, 0.0, 1.0)}
+    assert ends[0].at == pytest.approx(2.0) and ends[1].at == pytest.approx(2.0)
+    assert not cores.current(a)  # superseded by the rescheduled end
+    # Worker 0 finishes at 2; worker 1, given 1.5 s of work at 0.5, has 0.5 s left at 2.
+    cores = SharedCores((0, 0), mode="busy")
+    cores.begin(0, 0.0, 1.0)
+    cores.begin(1, 0.0, 1.5)
+    [rest] = cores.end(0, 2.0)
+    assert rest.worker == 1 and rest.at == pytest.approx(2.5)
+
+
+def test_bound_workers_keep_their_share_and_separate_cores_never_slow() -> None:
+    cores = SharedCores((0, 0, 1), mode="bound")
+    [lone] = cores.begin(0, 0.0, 1.0)
+    assert lone.at == pytest.approx(2.0)  # the idle neighbour still holds half the core
+    assert [e.worker for e in cores.begin(1, 0.0, 1.0)] == [1]  # nothing else moves
+    [own] = cores.begin(2, 0.0, 1.0)
+    assert own.at == pytest.approx(1.0)
+    assert cores.end(0, 2.0) == []
+
+
+def test_a_cost_measured_on_a_shared_core_is_not_shared_twice(arrays) -> None:
+    """A model measured on one of two workers bound to a core, replayed on that binding,
+    steps exactly as measured; with a core each, twice as fast."""
+    config = _config(step_noise=False)
+    measured = replace(COST, base_s=2 * COST.base_s, per_token_s=2 * COST.per_token_s,
+                       per_expert_s=2 * COST.per_expert_s, core_sharing=2)
+    as_measured = simulate(replace(config, cost=replace(measured, core_sharing=1)), arrays,
+                           None, top_k=SPEC.top_k)
+    shared = simulate(replace(config, cost=measured, decode_cores=(0, 0)), arrays, None,
+                      top_k=SPEC.top_k)
+    own = simulate(replace(config, cost=measured), arrays, None, top_k=SPEC.top_k)
+    for name in config.policies:
+        assert shared[name].metrics == pytest.approx(as_measured[name].metrics, nan_ok=True)
+        assert own[name].metrics["mean_decode_step_ms"] < 0.6 * (
+            shared[name].metrics["mean_decode_step_ms"])
+    # Idle workers yielding their share: between a core each and always halved.
+    busy = simulate(replace(config, cost=measured, decode_cores=(0, 0), core_sharing="busy"),
+                    arrays, None, top_k=SPEC.top_k)
+    for name in config.policies:
+        step = busy[name].metrics["mean_decode_step_ms"]
+        assert own[name].metrics["mean_decode_step_ms"] < step
+        assert step < shared[name].metrics["mean_decode_step_ms"]
+
+
+def test_core_groups_from_bindings() -> None:
+    assert core_groups(["0", "1", "1", None]) == (0, 1, 1, -4)
+    with pytest.raises(EldrError, match="overlap"):
+        core_groups(["0-1", "1"])
+    plan = live_core_plan(1, 2, ("0", "1", "1"))
+    assert plan.decode_groups == (0, 0) and not plan.prefill_shares_decode_cores()
+    assert live_core_plan(1, 1, ("0", "0")).prefill_shares_decode_cores()
+    with pytest.raises(EldrError, match="3 workers"):
+        live_core_plan(1, 2, ("0", "1"))
+
+
+# -- first token -----------------------------------------------------------------------------
+def test_the_decode_worker_makes_every_token_as_the_proxy_streams_them(arrays) -> None:
+    r = _one_worker(arrays, [0.0], 5)
+    # Prefill, the KV pull on an idle worker, then five steps: the first makes the first token.
+    ttft = PREFILL_S + KV_S + STEP_S
+    assert r.table.ttft_s == pytest.approx([ttft])
+    assert r.table.latency_s == pytest.approx([ttft + 4 * STEP_S])
+    assert r.table.itl_s == pytest.approx([STEP_S] * 4)
+    streamed = _one_worker(arrays, [0.0], 5, first_token_from_prefill=True)
+    assert streamed.table.ttft_s == pytest.approx([PREFILL_S])
+    assert streamed.table.latency_s == pytest.approx([ttft + 3 * STEP_S])
+    assert streamed.table.itl_s.size == 4
+
+
+def test_a_request_reaching_a_busy_worker_joins_after_its_kv_pull(arrays) -> None:
+    """vLLM starts the pull at the next step boundary and sees it done at the end of that
+    step, so the request's first step is the one after."""
+    arrive = 0.05  # its prefill ends mid the first request's first step
+    r = _one_worker(arrays, [0.0, arrive], 6)
+    first_step_starts = PREFILL_S + KV_S
+    joined_at = first_step_starts + 2 * STEP_S
+    assert r.table.ttft_s[1] == pytest.approx(joined_at + STEP_S - arrive)
+    # Eight steps (the second request's six start at the third); decode-only: all but the
+    # two a request joined in, as the workers' counters count them.
+    assert r.metrics["decode_steps"] == 6
+
+
+# -- replay ----------------------------------------------------------------------------------
+def _live_results(folder: Path, ids: list[str], *, with_ids: bool = True, warmup: float = 0.0,
+                  rounds: int = 2, policies: tuple[str, ...] = ("rr", "jsq")) -> None:
+    """What `eldr bench` saves: every request of every round, per policy, in plan order."""
+    from stages.bench.loadgen import interleaved_plan
+
+    arrival = np.cumsum(np.full(len(ids), 0.05)) - 0.05
+    plan = interleaved_plan(len(ids), policies, rounds)
+    results = {}
+    for name in policies:
+        records = []
+        for seg in (s for s in plan if s.policy == name):
+            for i in range(seg.start, seg.stop):
+                offset = arrival[i] - arrival[seg.start]
+                queue = 0.01 * (i % 3)
+                records.append(RequestRecord(
+                    request_id=f"{name}-{i}", success=True, prompt_tokens=30, output_tokens=12,
+                    ttft_s=0.2, latency_s=1.3, itl_s=(0.1,) * 11, start_s=offset + queue,
+                    prompt_id=ids[i] if with_ids else "", queue_s=queue,
+                ))
+        table = RequestTable.from_records(records)
+        metrics = {"p50_tpot_ms": 100.0, "p99_tpot_ms": 110.0, "p50_itl_ms": 100.0,
+                   "p99_itl_ms": 120.0, "distinct_experts_per_layer": 4.0, "p50_ttft_ms": 200.0}
+        results[name] = PolicyResult(name, metrics, table, tuple(records))
+    state = {"prefill_workers": [{"index": 0}], "decode_workers": [{"index": 0}, {"index": 1}],
+             "artifact_version": None, "config": {}}
+    info = {"num_prompts": len(ids), "max_concurrency": 4, "max_tokens": 12, "seed": 0,
+            "rounds": rounds, "warmup_s": warmup, "decode_urls": ["a", "b"],
+            "policy_order": [s.policy for s in plan],
+            "proxy_state": {p: state for p in policies}}
+    save_comparison(ComparisonResult(3.0, results, info), folder)
+
+
+def test_replay_reads_back_arrivals_prompts_lengths_cap_and_workers(arrays, tmp_path) -> None:
+    ids = [str(i) for i in arrays.ids[:10]]
+    _live_results(tmp_path, ids)
+    (run,) = load_live_runs(tmp_path)
+    assert run.policies == ("rr", "jsq") and run.shape == "1P2D"
+    assert run.max_concurrency == 4 and run.max_tokens == 12 and run.request_rate == 3.0
+    segments = run.segments["jsq"]
+    assert [s.round for s in segments] == [0, 1]
+    assert segments[0].prompt_ids == tuple(ids[:5]) and segments[1].prompt_ids == tuple(ids[5:])
+    # Scheduled arrival = send - client-side queueing, from each round's start.
+    assert segments[1].arrival_s == pytest.approx(np.arange(5) * 0.05)
+    assert list(segments[0].output_tokens) == [12] * 5
+    assert run.metrics["rr"]["p50_tpot_ms"] == 100.0
+    workloads = replay_workloads(run, arrays, None)
+    assert list(workloads["rr"][1].rows) == [5, 6, 7, 8, 9]
+
+
+def test_replay_rebuilds_the_prompts_of_results_without_ids(arrays, tmp_path) -> None:
+    from stages.prompts import load_prompts, sample_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b"\n".join(
+        orjson.dumps({"id": str(i), "prompt": f"p{i}", "domain": "d"}) for i in arrays.ids[:30]
+    ))
+    sample = [p.id for p in sample_prompts(load_prompts(prompts), 10, 0)]
+    _live_results(tmp_path / "old", sample, with_ids=False)
+    (run,) = load_live_runs(tmp_path / "old", prompts)
+    assert run.segments["rr"][0].prompt_ids + run.segments["rr"][1].prompt_ids == tuple(sample)
+
+
+def test_replay_errors_are_one_clear_line(arrays, tmp_path) -> None:
+    with pytest.raises(EldrError, match="no results folder"):
+        load_live_runs(tmp_path / "nowhere")
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim" / "rr-3qps.json").write_bytes(orjson.dumps({"policy": "rr"}))
+    with pytest.raises(EldrError, match="no live bench results"):
+        load_live_runs(tmp_path / "sim")
+    _live_results(tmp_path / "warm", [str(i) for i in arrays.ids[:10]], warmup=1.0)
+    with pytest.raises(EldrError, match="warm-up"):
+        load_live_runs(tmp_path / "warm")
+    _live_results(tmp_path / "other", ["not-captured", *map(str, arrays.ids[:9])])
+    (run,) = load_live_runs(tmp_path / "other")
+    lacks = r"lacks 1 of the live run's 10 prompts \(e.g. 'not-captured'\)"
+    with pytest.raises(EldrError, match=lacks):
+        replay_workloads(run, arrays, None)
+
+
+def test_validation_takes_the_live_spread_when_it_is_wider() -> None:
+    live_a = {"rr": {"p50_tpot_ms": 100.0, "p99_tpot_ms": 100.0, "distinct_experts_per_layer": 4.0}}
+    live_b = {"rr": {"p50_tpot_ms": 130.0, "p99_tpot_ms": 105.0, "distinct_experts_per_layer": 4.0}}
+    sim = {"rr": {"p50_tpot_ms": 120.0, "p99_tpot_ms": 120.0, "distinct_experts_per_layer": 4.3}}
+    a, _ = validate([Compared("a", "a", live_a, sim), Compared("b", "b", live_b, sim)])
+    checks = a.checks["rr"]
+    assert checks["p50_tpot_ms"].ok  # +20%, inside the runs' 26% spread
+    assert checks["p99_tpot_ms"].ok is False  # +20%, past 10% (spread 5%)
+    assert checks["distinct_experts_per_layer"].ok is False  # +7.5% > 5%
+    assert checks["p50_itl_ms"].ok is None  # shown, not judged
+    assert set(a.failures()) == {("rr", "p99_tpot_ms"), ("rr", "distinct_experts_per_layer")}
+
+
+def test_cli_replays_a_live_run_and_saves_the_validation(arrays, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from eldr_cli.app import app
+    from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
+
+    identity = ModelIdentity(name="syn", num_layers=2, num_experts=8, top_k=2)
+    dataset = SignatureDataset.create_or_open(tmp_path / "sig.zarr", identity, "test")
+    dataset.append([
+        CaptureRecord(id=str(arrays.ids[i]), domain="d", prompt_sha256="",
+                      prompt_tokens=int(arrays.prompt_tokens[i]),
+                      output_tokens=int(arrays.output_tokens[i]),
+                      prefill_counts=arrays.prefill_counts[i],
+                      decode_counts=arrays.decode_counts[i])
+        for i in range(20)
+    ])
+    _live_results(tmp_path / "live", [str(i) for i in arrays.ids[:12]])
+    cost = tmp_path / "cost.json"
+    replace(COST, core_sharing=2).save(cost)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, [
+        "bench", "--simulate", "--replay", str(tmp_path / "live"), "--data",
+        str(tmp_path / "sig.zarr"), "--cost", str(cost), "--worker-cores", "0|1|1",
+        "--result-dir", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "1P2D live, 3 req/s, 12 requests per policy in 2 rounds, at most 4 in flight" in (
+        result.output)
+    assert "P0: core 0, D1: core 1, D2: core 1" in result.output
+    assert "TPOT p50 sim/live" in result.output and "validation" in result.output
+    doc = orjson.loads((out / "replay-validation.json").read_bytes())
+    assert set(doc["runs"][0]["policies"]) == {"rr", "jsq"}
+    assert doc["runs"][0]["policies"]["rr"]["p50_tpot_ms"]["live"] == 100.0
+    assert (out / "replay-validation.png").stat().st_size > 0
+    missing = CliRunner().invoke(app, ["bench", "--replay", str(tmp_path / "live")])
+    assert isinstance(missing.exception, EldrError)
+    assert "add --simulate" in str(missing.exception)
