@@ -66,9 +66,10 @@ def bench(
     output_tokens: Annotated[int | None, typer.Option(
         help="--simulate: fixed output length per request (the paper caps at 512 with"
         " ignore_eos). Default: each captured request's own length.")] = None,
-    cost: Annotated[str, typer.Option(
+    cost: Annotated[str | None, typer.Option(
         help="--simulate: cost model: 'gpu' (GPU-like preset), 'cpu', or a JSON file from"
-        " --engine-cost.")] = "gpu",
+        " --engine-cost. Default: gpu; with --replay, each results folder's cost-model.json"
+        " (the demo measures it on the live workers).", show_default=False)] = None,
     locality_blend: Annotated[str, typer.Option(
         help="--simulate: locality dial s in [0, 1]: each request's per-step decode expert"
         " probabilities and output length are blended with another request's (seeded) at"
@@ -105,7 +106,7 @@ def bench(
         _replay(replay, data, store, cost, result_dir, seed, prompts,
                 tuple(worker_cores.split("|")) if worker_cores else None)
     elif simulate:
-        _simulate(data, store, names, request_rate, prefill, decode, duration, cost,
+        _simulate(data, store, names, request_rate, prefill, decode, duration, cost or "gpu",
                   output_tokens, result_dir, seed, locality_blend, locality_reference, options)
     elif engine_cost:
         _engine_cost(url, prompts_path, result_dir, seed)
@@ -252,7 +253,7 @@ def _simulate(data: Path | None, store: Path | None, policies: tuple[str, ...],
         typer.echo(f"plot: {path}")
 
 
-def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost: str,
+def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost: str | None,
             result_dir: Path, seed: int, prompts: Path | None,
             worker_cores: tuple[str, ...] | None) -> None:
     import orjson
@@ -266,9 +267,15 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
     dataset = SignatureDataset.open(data or paths.default_dataset())
     arrays = dataset.read()
     identity = dataset.identity
-    model = cost_model_for(cost, identity.num_layers, identity.num_experts)
     compared = []
+    names = set()
     for folder in result_dirs:
+        spec = cost or str(folder / "cost-model.json")
+        if cost is None and not Path(spec).is_file():
+            raise EldrError(f"{folder} has no cost-model.json (`eldr bench --engine-cost` on the"
+                            " live workers writes it); give the cost model with --cost")
+        model = cost_model_for(spec, identity.num_layers, identity.num_experts)
+        names.add(model.name)
         for replayed in replay_run(folder, arrays, identity, model,
                                    store=store or paths.default_artifact_store(), seed=seed,
                                    prompts=prompts, worker_cores=worker_cores):
@@ -281,8 +288,8 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
     numbers = result_dir / "replay-validation.json"
     numbers.write_bytes(orjson.dumps(validation_json(checks), option=orjson.OPT_INDENT_2))
     plot = plot_validation(checks, result_dir / "replay-validation.png",
-                           title=f"replay of {len(checks)} live run(s) on cost {model.name}:"
-                           " simulated against live")
+                           title=f"replay of {len(checks)} live run(s), cost"
+                           f" {', '.join(sorted(names))}: simulated against live")
     typer.echo(f"plot: {plot}")
     typer.echo(f"numbers: {numbers}")
 

@@ -13,6 +13,11 @@ in the prefix cache yet.
 Caveat the counters decide: if the plugin counts steps that also run a prefill chunk, the
 first step of each batch carries prefill time; long ``max_tokens`` dilutes it.
 
+The counters time a step's forward; a client sees the whole step, which adds the scheduler's
+and the output's work around it. The batch's client TPOT less its counted step time, median
+over the batches, is that overhead: the fitted model carries it in ``base_s``, so a simulated
+step is the step a client sees (its ITL).
+
 Workers are measured one at a time while the others idle. Decode workers bound to the same
 cores still hold their share of them while idle (vLLM's PD workers busy-poll for KV
 transfers), so a worker measured beside ``n - 1`` others steps at ``1/n`` of the core's speed,
@@ -92,14 +97,16 @@ class Measurement:
     domains: int  # distinct domains among them
     sample: CostSample
     step_time_source: str  # "counter" (eldr_decode_step_seconds) or "tpot" (client side)
+    tpot_s: float = float("nan")  # the batch's median client TPOT: the whole step
 
 
 @dataclass(frozen=True)
 class EngineCostResult:
     measurements: tuple[Measurement, ...]
     model: CostModel
-    quality: dict[str, float]
+    quality: dict[str, float]  # of the fit to the counted steps, before the overhead
     prefill_points: tuple[tuple[int, float], ...] = field(default=())  # (tokens, seconds)
+    step_overhead_s: float = 0.0  # in model.base_s: client TPOT less the counted step
 
     @property
     def samples(self) -> tuple[CostSample, ...]:
@@ -173,18 +180,20 @@ class _Measurer:
         if delta.steps <= 0:
             raise EldrError(f"{url} counted no decode steps for a batch of {len(prompts)}")
         decode_tokens = sum(max(r.output_tokens - 1, 0) for r in records)
+        tpot = float(np.median(
+            [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in records]
+        ))
         if math.isfinite(delta.step_seconds):
             step_s, source = delta.step_seconds / delta.steps, "counter"
         else:
-            tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in records]
-            step_s, source = float(np.median(tpot)), "tpot"
+            step_s, source = tpot, "tpot"
         sample = CostSample(
             batch=decode_tokens / delta.steps,
             distinct=delta.active_experts / delta.steps / self.config.num_layers,
             step_s=step_s,
             steps=delta.steps,
         )
-        return Measurement(url, len(prompts), domains, sample, source)
+        return Measurement(url, len(prompts), domains, sample, source, tpot)
 
     async def prefill(self, url: str, prompts: Sequence[Prompt]) -> list[tuple[int, float]]:
         settings = replace(self.settings, max_tokens=1)
@@ -232,13 +241,23 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
     # One model at one share: a worker that shared its core with fewer others is brought to
     # the most shared one's speed (each holds 1/n of its core).
     most = max(sharing.values())
+    scale = {url: most / n for url, n in sharing.items()}
     samples = [
-        replace(m.sample, step_s=m.sample.step_s * most / sharing[m.worker_url])
-        for m in measurements
+        replace(m.sample, step_s=m.sample.step_s * scale[m.worker_url]) for m in measurements
     ]
-    model = fit_cost_model(samples, config.num_layers, core_sharing=most, **prefill_kwargs)
+    forward = fit_cost_model(samples, config.num_layers, core_sharing=most, **prefill_kwargs)
+    gaps = [
+        (m.tpot_s - m.sample.step_s) * scale[m.worker_url]
+        for m in measurements
+        if m.step_time_source == "counter" and math.isfinite(m.tpot_s)
+    ]
+    overhead = max(float(np.median(gaps)), 0.0) if gaps else 0.0
     return EngineCostResult(
-        tuple(measurements), model, fit_quality(model, samples), tuple(prefill_points)
+        tuple(measurements),
+        replace(forward, base_s=forward.base_s + overhead),
+        fit_quality(forward, samples),
+        tuple(prefill_points),
+        overhead,
     )
 
 
@@ -251,21 +270,28 @@ def format_engine_cost(result: EngineCostResult) -> str:
     lines = [
         "decode step time against distinct experts, measured on the live decode workers",
         f"{'worker':<28} {'batch sent':>10} {'domains':>7} {'mean batch':>10} {'experts/L':>9}"
-        f" {'step ms':>8} {'fit ms':>8} {'steps':>6}",
+        f" {'step ms':>8} {'fit ms':>8} {'TPOT ms':>8} {'steps':>6}",
     ]
+    overhead = result.step_overhead_s
     for m in result.measurements:
         s = m.sample
-        predicted = float(result.model.step_time(s.batch, s.distinct)) * 1000
+        predicted = (float(result.model.step_time(s.batch, s.distinct)) - overhead) * 1000
         lines.append(
             f"{m.worker_url:<28} {m.batch_size:>10} {m.domains:>7} {s.batch:>10.2f}"
-            f" {s.distinct:>9.2f} {s.step_s * 1000:>8.2f} {predicted:>8.2f} {s.steps:>6.0f}"
+            f" {s.distinct:>9.2f} {s.step_s * 1000:>8.2f} {predicted:>8.2f}"
+            f" {m.tpot_s * 1000:>8.2f} {s.steps:>6.0f}"
             + ("" if m.step_time_source == "counter" else "  (client TPOT)")
         )
     c = result.model
     lines.append(
-        f"fit: step = {c.base_s * 1e3:.3f} ms + {c.per_token_s * 1e3:.4f} ms x batch"
-        f" + {c.num_layers} x {c.per_expert_s * 1e3:.4f} ms x experts/L"
+        f"fit: step = {(c.base_s - overhead) * 1e3:.3f} ms + {c.per_token_s * 1e3:.4f} ms x"
+        f" batch + {c.num_layers} x {c.per_expert_s * 1e3:.4f} ms x experts/L"
         f"   (R^2 {result.quality['r2']:.3f}, RMSE {result.quality['rmse_ms']:.3f} ms)"
+    )
+    lines.append(
+        f"plus {overhead * 1e3:.2f} ms a step outside the counted one (client TPOT less step"
+        " ms, median): the model's base is the whole step a client sees,"
+        f" {c.base_s * 1e3:.3f} ms"
     )
     if c.core_sharing > 1:
         lines.append(
