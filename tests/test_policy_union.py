@@ -17,7 +17,7 @@ from stages.routing.policies import (
     make_policy,
     needs_centroids,
 )
-from stages.routing.policies.eldr_union import fast_inclusion
+from stages.routing.policies.eldr_union import fast_inclusion, sampled_layers
 from stages.routing.policies.expert_load import WorkerExpertLoad
 from stages.serve.decode_router import DecodeRouter
 from stages.signature import wire
@@ -331,3 +331,19 @@ def test_cost_option_picks_the_model_it_weighs_with(tmp_path) -> None:
     p = EldrUnionPolicy(context, UnionParams(cost=str(tmp_path / "other.json")))
     p.choose(req([0, 0], A))
     assert p._step is not None and p._step.per_seq > 0
+
+
+def test_sampled_layers_stand_for_all_when_layers_route_alike() -> None:
+    assert sampled_layers(48, 16).tolist() == [round(i * 47 / 15) for i in range(16)]
+    assert sampled_layers(4, 16) is None and sampled_layers(48, 0) is None
+    with pytest.raises(EldrError, match="sample_layers"):
+        UnionParams(sample_layers=-1)
+    # peaked() routes every layer alike: one layer of two decides as both do, and its added
+    # latency is the full one (its experts scaled by the layers it stands for).
+    context = RoutingContext(2, top_k=TOP_K, cost=COST)
+    full, one = EldrUnionPolicy(context), EldrUnionPolicy(context, UnionParams(sample_layers=1))
+    for p in (full, one):
+        dispatch(p, 0, A, "a", [0, 0])
+        dispatch(p, 1, B, "b", [1, 0])
+    np.testing.assert_allclose(added(one, A, [1, 1]), added(full, A, [1, 1]), rtol=1e-5)
+    assert one._load is not None and one._load.size == EXPERTS

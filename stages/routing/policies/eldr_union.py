@@ -13,7 +13,9 @@ requests pay the change each, and the worker with the least of the two summed wi
 
 This is the change in the sum of TPOTs over the requests in flight, so it spreads requests
 when the experts they would share are few and packs them when many are. It needs no
-artifact.
+artifact. The unions are kept for an evenly spaced subset of the MoE layers
+(``sample_layers``), scaled to all of them: a request's tokens route most layers alike, and
+the decision's cost is linear in the layers kept.
 
 Two bounds keep it from doing harm where the prediction is wrong (a model whose prefill
 routing says little about decode routing): a worker may hold at most ``max(1, slack * mean)``
@@ -58,6 +60,10 @@ _TIE = 1e-9
 # Measured on the bundled capture (issue 10's settings): 0.25 keeps p99 TPOT within 1% of the
 # best load balancer when prefill predicts nothing, and the locality gain at 60-100 req/s.
 DEFAULT_LOAD_SLACK = 0.25
+# A request's experts per layer follow its tokens, which most layers route alike, so a stride
+# of layers estimates the whole union; a decision costs O(workers x sampled layers x E), and at
+# 16 of Qwen3-30B's 48 layers a third of the full product (examples/bench_routing.py).
+DEFAULT_SAMPLE_LAYERS = 16
 # PI_MAX in float32 would round to 1 (log 0); the largest float32 below 1 keeps logs finite.
 _PI_MAX32 = np.float32(1.0 - 2.0**-24)
 
@@ -69,9 +75,14 @@ class UnionParams:
     cost: str = option("", "the decode step-time model it weighs experts against batch"
                        " slots with: gpu, cpu, or a JSON file of `eldr bench --engine-cost`;"
                        " empty: the simulated engine's, else the gpu preset")
+    sample_layers: int = option(DEFAULT_SAMPLE_LAYERS, "MoE layers (evenly spaced) whose"
+                                " expert unions stand for all of them; 0: every layer")
 
     def __post_init__(self) -> None:
         check_range("load_slack", self.load_slack, 0.0)
+        if self.sample_layers < 0:
+            raise ParamError("sample_layers", f"sample_layers must be >= 0 (0: every layer),"
+                             f" got {self.sample_layers}")
         if self.cost not in ("", *COST_PRESETS):
             # Read now, so a wrong path fails where it was given (start-up, the admin call),
             # not at the first request; the model's shape is checked once it is known.
@@ -110,6 +121,13 @@ def fast_inclusion(counts: np.ndarray, top_k: int) -> np.ndarray:
     return np.minimum(pi, _PI_MAX32, out=pi).ravel()
 
 
+def sampled_layers(num_layers: int, wanted: int) -> np.ndarray | None:
+    """Indices of ``wanted`` evenly spaced layers of ``num_layers``, or ``None`` for all."""
+    if wanted == 0 or wanted >= num_layers:
+        return None
+    return np.unique(np.linspace(0, num_layers - 1, wanted).round().astype(np.int64))
+
+
 @dataclass(frozen=True)
 class _StepCost:
     fixed: float  # seconds per step whatever the batch
@@ -132,6 +150,7 @@ class EldrUnionPolicy(DecodePolicy):
         # may only learn from the first prefill.
         self._load: WorkerExpertLoad | None = None
         self._shape: tuple[int, int] | None = None
+        self._rows: np.ndarray | None = None  # the sampled layers; None: all
         self._step: _StepCost | None = None
         self._members: dict[Hashable, tuple[int, np.ndarray]] = {}
         # The last request's prediction and the distinct experts it adds per worker, so its
@@ -180,7 +199,7 @@ class EldrUnionPolicy(DecodePolicy):
         self._last_added = None
         counts = signature_counts(request.counts)
         if counts is not None and self.top_k is not None and self._fits(counts.shape):
-            pi = fast_inclusion(counts, self.top_k)
+            pi = fast_inclusion(counts if self._rows is None else counts[self._rows], self.top_k)
         self._last = (request, pi)
         return pi
 
@@ -190,12 +209,15 @@ class EldrUnionPolicy(DecodePolicy):
                 return False
             num_layers, num_experts = int(shape[0]), int(shape[1])
             cost = self.params.step_cost(self.cost, num_layers, num_experts)
+            self._rows = sampled_layers(num_layers, self.params.sample_layers)
+            kept = num_layers if self._rows is None else self._rows.size
             self._step = _StepCost(
                 fixed=cost.base_s + cost.num_layers * cost.moe_fixed_s,
                 per_seq=cost.per_token_s,
-                per_expert=cost.per_expert_s,
+                # A sampled layer's distinct experts stand for num_layers / kept layers'.
+                per_expert=cost.per_expert_s * num_layers / kept,
             )
-            self._load = WorkerExpertLoad(self.num_workers, num_layers * num_experts)
+            self._load = WorkerExpertLoad(self.num_workers, kept * num_experts)
             self._shape = (num_layers, num_experts)
         # Another shape is another model's signature: it predicts nothing here.
         return tuple(shape) == self._shape
