@@ -173,14 +173,19 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
         raise EldrError("no artifact to read the model's MoE layer count from; run `eldr fit`")
     # Workers of a local `eldr serve` run on its core plan; the measured one shares its core
     # with the others bound there.
-    prefill_workers = state.get("prefill_workers")
-    num_prefill = len(prefill_workers) if isinstance(prefill_workers, list) else 0
-    groups = live_core_plan(num_prefill, len(workers)).decode_groups
+    listed = state.get("prefill_workers")
+    prefill_urls = tuple(
+        str(w["url"]) for w in (listed if isinstance(listed, list) else ())
+        if isinstance(w, dict) and w.get("url")
+    )
+    groups = live_core_plan(len(prefill_urls), len(workers)).decode_groups
     sharing = tuple(groups.count(g) for g in groups)
-    # Two batch sizes x (one domain, all domains) bracket the curve in ~3 minutes on a CPU.
+    # Two batch sizes x (one domain, all domains) bracket the curve in ~3 minutes on a CPU;
+    # prefill is timed on the prefill workers, one prompt at a time (a few seconds).
     result = measure_engine_cost(EngineCostConfig(
         worker_urls=workers, prompts_path=prompts, num_layers=layers, seed=seed,
-        batch_sizes=(2, 8), domain_mixes=(1, 0), repeats=1, max_tokens=32, prefill_probes=0,
+        batch_sizes=(2, 8), domain_mixes=(1, 0), repeats=1, max_tokens=32,
+        prefill_probes=8 if prefill_urls else 0, prefill_urls=prefill_urls,
         core_sharing=sharing,
     ))
     typer.echo(format_engine_cost(result))

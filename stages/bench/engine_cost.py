@@ -8,7 +8,8 @@ and step seconds of exactly that batch; its mean decode batch is the decode toke
 per step (robust to the ramp-up and drain steps). A plain vLLM server with eldr's plugin works:
 a normal completion runs prefill and decode there. Prefill cost comes from single requests of
 several prompt lengths (``max_tokens=1``, time to first token), measured first so no prompt is
-in the prefix cache yet.
+in the prefix cache yet, on the prefill workers when given (a PD deployment's prefill runs
+there, on its own cores), else on the measured workers.
 
 Caveat the counters decide: if the plugin counts steps that also run a prefill chunk, the
 first step of each batch carries prefill time; long ``max_tokens`` dilutes it.
@@ -66,6 +67,8 @@ class EngineCostConfig:
     max_tokens: int = 64
     repeats: int = 2
     prefill_probes: int = 8  # 0: keep the default prefill cost
+    # Where prefill is probed: a PD deployment's prefill workers; (): the measured workers.
+    prefill_urls: tuple[str, ...] = ()
     model: str | None = None
     settle_s: float = 1.0
     timeout_s: float = 600.0
@@ -221,8 +224,12 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
     prefill_points: list[tuple[int, float]] = []
     async with httpx.AsyncClient(timeout=config.timeout_s) as client:
         measurer = _Measurer(config, client)
+        if config.prefill_urls and config.prefill_probes > 0:
+            probe = _prefill_prompts(prompts, config.prefill_probes)
+            for url in config.prefill_urls:
+                prefill_points += await measurer.prefill(url, probe)
         for url in config.worker_urls:
-            if config.prefill_probes > 0:
+            if config.prefill_probes > 0 and not config.prefill_urls:
                 probe = _prefill_prompts(prompts, config.prefill_probes)
                 prefill_points += await measurer.prefill(url, probe)
             for _ in range(config.repeats):
