@@ -63,22 +63,18 @@ class SharedCores:
         """Workers bound to ``worker``'s core, it included."""
         return self._bound[self._core_of[worker]]
 
-    def _share(self, core: int) -> int:
-        return len(self._running[core]) if self._busy_only else self._bound[core]
-
+    # Processor sharing only: the busy workers on ``core`` split it.
     def _advance(self, core: int, t: float) -> None:
         running = self._running[core]
-        n = max(self._share(core), 1)
+        n = max(len(running), 1)
         for step in running.values():
             step.left_s = max(step.left_s - (t - step.since) / n, 0.0)
             step.since = t
 
-    def _ends(self, core: int, t: float, only: int | None = None) -> list[StepEnd]:
-        n = self._share(core)
+    def _ends(self, core: int, t: float) -> list[StepEnd]:
+        n = len(self._running[core])
         out = []
         for w, step in self._running[core].items():
-            if only is not None and w != only:
-                continue
             self._version[w] += 1
             out.append(StepEnd(w, t + step.left_s * n, self._version[w]))
         return out
@@ -87,19 +83,24 @@ class SharedCores:
         """``worker`` starts a step of ``work_s``: the new end of every step on its core that
         moved (only its own unless idle workers yield their share)."""
         core = self._core_of[worker]
+        if not self._busy_only:
+            # A fixed share: nothing to track, no step ever moves (the simulator's hot path).
+            return [StepEnd(worker, t + work_s * self._bound[core], self._version[worker])]
         if worker in self._running[core]:
             raise AssertionError(f"worker {worker} started a step while mid-step")
         self._advance(core, t)
         self._running[core][worker] = _Running(work_s, t)
-        return self._ends(core, t, None if self._busy_only else worker)
+        return self._ends(core, t)
 
     def end(self, worker: int, t: float) -> list[StepEnd]:
         """``worker``'s step is over at ``t``: the new ends of the others on its core (none
         move unless idle workers yield their share)."""
+        if not self._busy_only:
+            return []
         core = self._core_of[worker]
         self._advance(core, t)
         del self._running[core][worker]
-        return self._ends(core, t) if self._busy_only else []
+        return self._ends(core, t)
 
     def current(self, end: StepEnd) -> bool:
         """Whether ``end`` is still the worker's scheduled end (not superseded)."""
