@@ -383,3 +383,24 @@ def test_warmup_excludes_early_requests_of_each_round(tmp_path: Path) -> None:
     assert 0 < expected < 20
     assert comparison.results["rr"].metrics["completed"] == expected
     assert len(fake.served) == 20  # warm-up requests were still sent
+
+
+def test_engine_cost_measures_every_worker_at_once(tmp_path: Path) -> None:
+    """A batch each, side by side, as the workers run under load; the model records how many
+    shared a core."""
+    lines = [
+        orjson.dumps({"id": f"{d}{i}", "prompt": f"{d} {' '.join(['w'] * (4 + i))}",
+                      "domain": d}).decode()
+        for d in ("alpha", "beta") for i in range(4)
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    with serve(FakeEngine().app) as one, serve(FakeEngine().app) as two:
+        result = measure_engine_cost(EngineCostConfig(
+            worker_urls=(one, two), prompts_path=prompts, num_layers=LAYERS,
+            batch_sizes=(1, 3), domain_mixes=(1, 0), max_tokens=6, repeats=1, prefill_probes=0,
+            settle_s=0.0, core_sharing=(2, 2),
+        ))
+    assert [m.worker_url for m in result.measurements] == [one, two] * 4
+    assert result.model.core_sharing == 2
+    assert result.model.per_expert_s == pytest.approx(ENGINE.per_expert_s, rel=1e-3)

@@ -19,12 +19,11 @@ and the output's work around it. The batch's client TPOT less its counted step t
 over the batches, is that overhead: the fitted model carries it in ``base_s``, so a simulated
 step is the step a client sees (its ITL).
 
-Workers are measured one at a time while the others idle. Decode workers bound to the same
-cores still hold their share of them while idle (vLLM's PD workers busy-poll for KV
-transfers), so a worker measured beside ``n - 1`` others steps at ``1/n`` of the core's speed,
-as it does under load: the fitted model records ``n`` (``CostModel.core_sharing``, from
-``core_sharing`` here) so a simulation counts the sharing once, as its own cluster binds
-workers.
+Every worker is measured at once, each on a batch of its own, as they run under load: workers
+bound to one core share it as they do live (each holding ``1/n`` of it, ``n`` bound there; idle
+vLLM PD workers would hold theirs too, busy-polling for KV transfers). The fitted model records
+``n`` (``CostModel.core_sharing``, from ``core_sharing`` here), so a simulation counts the
+sharing once, as its own cluster binds workers.
 """
 
 from __future__ import annotations
@@ -228,16 +227,18 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
             probe = _prefill_prompts(prompts, config.prefill_probes)
             for url in config.prefill_urls:
                 prefill_points += await measurer.prefill(url, probe)
-        for url in config.worker_urls:
-            if config.prefill_probes > 0 and not config.prefill_urls:
-                probe = _prefill_prompts(prompts, config.prefill_probes)
+        if config.prefill_probes > 0 and not config.prefill_urls:
+            probe = _prefill_prompts(prompts, config.prefill_probes)
+            for url in config.worker_urls:
                 prefill_points += await measurer.prefill(url, probe)
-            for _ in range(config.repeats):
-                for size in config.batch_sizes:
-                    for mix in config.domain_mixes:
-                        batch = batch_prompts(by_domain, size, mix, rng)
-                        domains = len({p.domain for p in batch})
-                        measurements.append(await measurer.batch(url, batch, domains))
+        for _ in range(config.repeats):
+            for size in config.batch_sizes:
+                for mix in config.domain_mixes:
+                    batches = [batch_prompts(by_domain, size, mix, rng) for _ in config.worker_urls]
+                    measurements += await asyncio.gather(*(
+                        measurer.batch(url, batch, len({p.domain for p in batch}))
+                        for url, batch in zip(config.worker_urls, batches, strict=True)
+                    ))
     prefill_kwargs: dict[str, float] = {}
     if len({t for t, _ in prefill_points}) >= 2:
         tokens, seconds = zip(*prefill_points, strict=True)
@@ -269,7 +270,8 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
 
 
 def measure_engine_cost(config: EngineCostConfig) -> EngineCostResult:
-    """Measure every worker in turn and fit one cost model to all samples."""
+    """Measure every worker (all at once, a batch each) and fit one cost model to all
+    samples."""
     return asyncio.run(measure_engine_cost_async(config))
 
 
