@@ -212,7 +212,8 @@ def plot_validation(runs: Sequence[RunCheck], path: Path, title: str = "") -> Pa
                         linestyle="none", label=run.name if x == 0 else None)
         ax.set_xticks(xs, policies, rotation=30, fontsize=8)
         ax.set_ylabel(f"{metric.label}: simulated / live")
-        ax.set_title(f"{metric.label} (shaded: within {metric.tolerance:.0%})", fontsize=9)
+        ax.set_title(f"{metric.label} (shaded: within {metric.tolerance:.0%}; filled: out of"
+                     " its tolerance)", fontsize=9)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=max(1, len(labels)),
