@@ -15,9 +15,9 @@ Caveat the counters decide: if the plugin counts steps that also run a prefill c
 first step of each batch carries prefill time; long ``max_tokens`` dilutes it.
 
 The counters time a step's forward; a client sees the whole step, which adds the scheduler's
-and the output's work around it. The batch's client TPOT less its counted step time, median
-over the batches, is that overhead: the fitted model carries it in ``base_s``, so a simulated
-step is the step a client sees (its ITL).
+and the output's work around it. The batch's median gap between streamed tokens less its
+counted step time, median over the batches, is that overhead: the fitted model carries it in
+``base_s``, so a simulated step is the step a client sees (its ITL).
 
 Every worker is measured at once, each on a batch of its own, as they run under load: workers
 bound to one core share it as they do live (each holding ``1/n`` of it, ``n`` bound there; idle
@@ -99,7 +99,8 @@ class Measurement:
     domains: int  # distinct domains among them
     sample: CostSample
     step_time_source: str  # "counter" (eldr_decode_step_seconds) or "tpot" (client side)
-    tpot_s: float = float("nan")  # the batch's median client TPOT: the whole step
+    # The batch's median gap between streamed tokens: its whole step, as a client sees it.
+    client_step_s: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class EngineCostResult:
     model: CostModel
     quality: dict[str, float]  # of the fit to the counted steps, before the overhead
     prefill_points: tuple[tuple[int, float], ...] = field(default=())  # (tokens, seconds)
-    step_overhead_s: float = 0.0  # in model.base_s: client TPOT less the counted step
+    step_overhead_s: float = 0.0  # in model.base_s: the client's step less the counted one
 
     @property
     def samples(self) -> tuple[CostSample, ...]:
@@ -182,20 +183,22 @@ class _Measurer:
         if delta.steps <= 0:
             raise EldrError(f"{url} counted no decode steps for a batch of {len(prompts)}")
         decode_tokens = sum(max(r.output_tokens - 1, 0) for r in records)
-        tpot = float(np.median(
-            [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in records]
-        ))
+        # The median gap, not TPOT: when the batch's prefill takes two steps, the first
+        # requests' TPOT carries the second (a long one) while their median gap does not.
+        gaps = [g for r in records for g in r.itl_s]
+        tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in records]
+        client_step = float(np.median(gaps if gaps else tpots))
         if math.isfinite(delta.step_seconds):
             step_s, source = delta.step_seconds / delta.steps, "counter"
         else:
-            step_s, source = tpot, "tpot"
+            step_s, source = float(np.median(tpots)), "tpot"
         sample = CostSample(
             batch=decode_tokens / delta.steps,
             distinct=delta.active_experts / delta.steps / self.config.num_layers,
             step_s=step_s,
             steps=delta.steps,
         )
-        return Measurement(url, len(prompts), domains, sample, source, tpot)
+        return Measurement(url, len(prompts), domains, sample, source, client_step)
 
     async def prefill(self, url: str, prompts: Sequence[Prompt]) -> list[tuple[int, float]]:
         settings = replace(self.settings, max_tokens=1)
@@ -255,9 +258,9 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
     ]
     forward = fit_cost_model(samples, config.num_layers, core_sharing=most, **prefill_kwargs)
     gaps = [
-        (m.tpot_s - m.sample.step_s) * scale[m.worker_url]
+        (m.client_step_s - m.sample.step_s) * scale[m.worker_url]
         for m in measurements
-        if m.step_time_source == "counter" and math.isfinite(m.tpot_s)
+        if m.step_time_source == "counter" and math.isfinite(m.client_step_s)
     ]
     overhead = max(float(np.median(gaps)), 0.0) if gaps else 0.0
     return EngineCostResult(
@@ -279,7 +282,7 @@ def format_engine_cost(result: EngineCostResult) -> str:
     lines = [
         "decode step time against distinct experts, measured on the live decode workers",
         f"{'worker':<28} {'batch sent':>10} {'domains':>7} {'mean batch':>10} {'experts/L':>9}"
-        f" {'step ms':>8} {'fit ms':>8} {'TPOT ms':>8} {'steps':>6}",
+        f" {'step ms':>8} {'fit ms':>8} {'client ms':>9} {'steps':>6}",
     ]
     overhead = result.step_overhead_s
     for m in result.measurements:
@@ -288,7 +291,7 @@ def format_engine_cost(result: EngineCostResult) -> str:
         lines.append(
             f"{m.worker_url:<28} {m.batch_size:>10} {m.domains:>7} {s.batch:>10.2f}"
             f" {s.distinct:>9.2f} {s.step_s * 1000:>8.2f} {predicted:>8.2f}"
-            f" {m.tpot_s * 1000:>8.2f} {s.steps:>6.0f}"
+            f" {m.client_step_s * 1000:>9.2f} {s.steps:>6.0f}"
             + ("" if m.step_time_source == "counter" else "  (client TPOT)")
         )
     c = result.model
@@ -298,8 +301,8 @@ def format_engine_cost(result: EngineCostResult) -> str:
         f"   (R^2 {result.quality['r2']:.3f}, RMSE {result.quality['rmse_ms']:.3f} ms)"
     )
     lines.append(
-        f"plus {overhead * 1e3:.2f} ms a step outside the counted one (client TPOT less step"
-        " ms, median): the model's base is the whole step a client sees,"
+        f"plus {overhead * 1e3:.2f} ms a step outside the counted one (client ms less step ms,"
+        " median): the model's base is the whole step a client sees,"
         f" {c.base_s * 1e3:.3f} ms"
     )
     if c.core_sharing > 1:
