@@ -92,8 +92,19 @@ def _header(run: LiveRun, cores: CorePlan, cost: CostModel) -> str:
     )
 
 
-def _notes(run: LiveRun, cores: CorePlan, arrays: SignatureArrays) -> list[str]:
+def _notes(
+    run: LiveRun, cores: CorePlan, arrays: SignatureArrays, cost: CostModel
+) -> list[str]:
     notes = []
+    groups = cores.decode_groups
+    sharing = max(groups.count(g) for g in groups)
+    if cost.core_sharing != sharing:
+        notes.append(
+            f"{run.result_dir}: the cost model was measured at 1/{cost.core_sharing} of a core"
+            f" (core_sharing), the live decode workers ran at 1/{sharing}: the replay's steps"
+            f" take {sharing}/{cost.core_sharing} of the model's (an --engine-cost file written"
+            " before eldr recorded core_sharing says 1)"
+        )
     if cores.prefill_shares_decode_cores():
         notes.append(
             f"{run.result_dir}: prefill workers share cores with decode workers"
@@ -140,5 +151,6 @@ def replay_run(
             live=run.metrics,
             sim={name: r.metrics for name, r in results.items()},
         )
-        out.append(Replayed(run, cores, results, compared, tuple(_notes(run, cores, arrays))))
+        notes = tuple(_notes(run, cores, arrays, cost))
+        out.append(Replayed(run, cores, results, compared, notes))
     return out
