@@ -69,3 +69,13 @@ $ELDR bench --simulate --prefill 8 --decode 16 --request-rate auto --duration 12
 $ELDR bench --simulate --prefill 8 --decode 16 --request-rate 50% --duration 60 \
   --output-tokens 512 --cost gpu --locality-blend 0,0.25,0.5,0.75,1 \
   --result-dir "$ELDR_HOME/results/sim-gpu"
+
+# Replay: the live bench above, simulated on the cost curve measured on its workers, with its
+# arrivals, prompts, output lengths, concurrency cap, workers and core plan; simulated against
+# live per policy (TPOT, ITL, distinct experts per layer). The simulator needs the signatures of
+# the prompts the bench sent: the live bench samples them from the whole evaluation split, so
+# it is captured whole (DEMO_CAPTURE would leave out prompts the bench used).
+$ELDR capture --model tiny --prompts examples/prompts/evaluation.jsonl \
+  --out "$ELDR_HOME/evaluation.zarr" --max-tokens "${DEMO_TOKENS:-64}"
+$ELDR bench --simulate --replay "$ELDR_HOME/results" --data "$ELDR_HOME/evaluation.zarr" \
+  --result-dir "$ELDR_HOME/results/replay"
