@@ -75,6 +75,8 @@ def test_eldr_serve_stopped_during_start_up_leaves_nothing(tmp_path: Path, sig: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert wait_gone(seen, 10) == set()
+    # Gone within 30 s of its exit: a dying vLLM process frees gigabytes, which took over 10 s
+    # once on an oversubscribed CI machine.
+    assert wait_gone(seen, 30) == set()
     if sig == signal.SIGTERM:
         assert proc.returncode == 130  # the CLI's "interrupted", after stopping every worker
