@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,3 +123,26 @@ def wait_healthy(
             pass
         time.sleep(1)
     pytest.fail(f"eldr serve did not become healthy in {timeout_s:.0f} s:\n{output()[-4000:]}")
+
+
+def start_serve(args: list[str], home: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``eldr serve ARGS`` with its output in ``home``/serve.log (``serve_log``)."""
+    with serve_log(home).open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "eldr_cli", "serve", *args], env=env, stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def serve_log(home: Path) -> Path:
+    return home / "serve.log"
+
+
+def api_server(root: int, port: int) -> int:
+    """The vLLM API server listening on ``port`` below process ``root`` (a keeper's child)."""
+    for pid in tree(root):
+        text = command(pid)
+        if "vllm.entrypoints.openai.api_server" in text and "stages.procs.keeper" not in text \
+                and f"--port {port} " in text:
+            return pid
+    raise AssertionError(f"no vLLM API server for port {port} below process {root}")

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, requires_vllm
-from tests.proc_probe import command, tree, wait_gone, wait_healthy
+from tests.proc_probe import api_server, serve_log, start_serve, tree, wait_gone, wait_healthy
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -49,13 +49,7 @@ class Served:
         return httpx.get(f"{self.url}/admin/state", timeout=10).json()  # type: ignore[no-any-return]
 
     def decode_api_server(self, index: int) -> int:
-        port = self.worker_port + 1 + index  # the prefill worker is first
-        for pid in tree(self.proc.pid):
-            text = command(pid)
-            if "vllm.entrypoints.openai.api_server" in text and "stages.procs.keeper" not in text \
-                    and f"--port {port} " in text:
-                return pid
-        raise AssertionError(f"no vLLM API server for port {port} below eldr serve")
+        return api_server(self.proc.pid, self.worker_port + 1 + index)  # prefill is first
 
 
 def _eldr(*args: str, env: dict[str, str]) -> None:
@@ -71,16 +65,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     _eldr("capture", "--limit", "60", "--max-tokens", "4", env=env)
     _eldr("fit", "--k", "3", "--balanced", env=env)
     port, worker_port = free_port(), free_port()
-    log = home / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "eldr_cli", "serve", "--model", "tiny", "--policy", "eldr",
-             "--prefill", "1", "--decode", "3", "--port", str(port), "--worker-port",
-             str(worker_port), "--log-level", "info",
-             # Fail-over, not compilation, is under test: eager workers restart faster.
-             "--enforce-eager"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
+    log = serve_log(home)
+    proc = start_serve(
+        ["--model", "tiny", "--policy", "eldr", "--prefill", "1", "--decode", "3", "--port",
+         str(port), "--worker-port", str(worker_port), "--log-level", "info",
+         # Fail-over, not compilation, is under test: eager workers restart faster.
+         "--enforce-eager"],
+        home, env,
+    )
     served = Served(proc, f"http://127.0.0.1:{port}", worker_port, log, set())
 
     def seen() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +21,16 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, requires_vllm
-from tests.proc_probe import command, listeners, tree, wait_gone, wait_healthy
+from tests.proc_probe import (
+    api_server,
+    command,
+    listeners,
+    serve_log,
+    start_serve,
+    tree,
+    wait_gone,
+    wait_healthy,
+)
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -49,29 +57,21 @@ class Served:
             return {}
 
     def api_server(self, port: int) -> int:
-        """The vLLM API server listening on ``port`` (the keeper's child)."""
-        for pid in tree(self.proc.pid):
-            text = command(pid)
-            if "vllm.entrypoints.openai.api_server" in text and "stages.procs.keeper" not in text \
-                    and f"--port {port} " in text:
-                return pid
-        raise AssertionError(f"no vLLM API server for port {port} below eldr serve")
+        return api_server(self.proc.pid, port)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("home")
     port, worker_port = free_port(), free_port()
-    log = home / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "eldr_cli", "serve", "--model", "tiny", "--policy", "rr",
-             "--prefill", "1", "--decode", "1", "--port", str(port), "--worker-port",
-             str(worker_port), "--log-level", "info",
-             # Supervision, not compilation, is under test: eager workers restart faster.
-             "--enforce-eager"],
-            env={**os.environ, "ELDR_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT,
-        )
+    log = serve_log(home)
+    proc = start_serve(
+        ["--model", "tiny", "--policy", "rr", "--prefill", "1", "--decode", "1", "--port",
+         str(port), "--worker-port", str(worker_port), "--log-level", "info",
+         # Supervision, not compilation, is under test: eager workers restart faster.
+         "--enforce-eager"],
+        home, {**os.environ, "ELDR_HOME": str(home)},
+    )
     served = Served(proc, f"http://127.0.0.1:{port}", worker_port, log)
     try:
         wait_healthy(proc, served.url, 400, log.read_text, on_poll=served.seen)
