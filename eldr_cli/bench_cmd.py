@@ -58,7 +58,9 @@ def bench(
         help="--simulate: signature dataset. Default: $ELDR_HOME/signatures.zarr.",
         show_default=False)] = None,
     store: Annotated[Path | None, typer.Option(
-        help="--simulate: artifact store (its 'latest' needs at least --decode centroids).",
+        help="--simulate: artifact store (its 'latest' needs at least --decode centroids);"
+        " with --replay, default: the store beside each results folder (its ELDR_HOME's)"
+        " if it has one.",
         show_default=False)] = None,
     prefill: Annotated[int, typer.Option(help="--simulate: prefill workers.", min=1)] = 8,
     decode: Annotated[int, typer.Option(help="--simulate: decode workers.", min=1)] = 16,
@@ -265,7 +267,7 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
     import orjson
 
     from stages.bench.plots import plot_validation
-    from stages.bench.replay_run import replay_run
+    from stages.bench.replay_run import replay_run, store_beside
     from stages.bench.validation import format_validation, validate, validation_json
     from stages.routing.cost_model import cost_model_for
     from stages.signature.dataset import SignatureDataset
@@ -283,7 +285,7 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
         model = cost_model_for(spec, identity.num_layers, identity.num_experts)
         names.add(model.name)
         for replayed in replay_run(folder, arrays, identity, model,
-                                   store=store or paths.default_artifact_store(), seed=seed,
+                                   store=store or store_beside(folder), seed=seed,
                                    prompts=prompts, worker_cores=worker_cores):
             for note in replayed.notes:
                 typer.echo(f"note: {note}")

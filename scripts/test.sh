@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+# The slowest tests are listed, so a suite that grows past its budget says where.
+.venv/bin/python -m pytest -q --durations=20 "$@"

@@ -1,6 +1,7 @@
 """Capture every tiny MoE family through eldr's real capture path in one vLLM mode.
 
-Run by ``test_architectures_real.py`` as ``python -m tests.arch_capture MODE ROOT``: one engine
+Run by ``test_architectures_real.py`` as ``python -m tests.arch_capture MODE ROOT [FAMILY...]``
+(default: every family): one engine
 at a time, each in its own vLLM processes, per-step expert ids traced to ``ROOT/<family>/trace``.
 A family that fails is recorded in ``ROOT/results.json`` with its error, and the next one runs.
 """
@@ -28,14 +29,14 @@ def family_prompts() -> list[Prompt]:
     return [Prompt(id=p.id, prompt=p.prompt[:400], domain=p.domain) for p in prompts]
 
 
-def main(mode: str, root: Path) -> None:
+def main(mode: str, root: Path, names: list[str]) -> None:
     from stages.capture.runner import CaptureConfig, capture
     from stages.models import resolve_model
 
     config = CaptureConfig(max_tokens=MAX_TOKENS, batch_size=1, max_num_seqs=4,
                            enforce_eager=mode == "eager")
     results: dict[str, dict[str, object]] = {}
-    for family in FAMILIES:
+    for family in (f for f in FAMILIES if not names or f.name in names):
         work = root / family.name
         model_dir = build_model(family, work / "model")
         os.environ["ELDR_TRACE_DIR"] = str(work / "trace")
@@ -51,4 +52,4 @@ def main(mode: str, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])

@@ -301,3 +301,15 @@ def test_cli_replays_a_live_run_and_saves_the_validation(arrays, tmp_path) -> No
     missing = CliRunner().invoke(app, ["bench", "--replay", str(tmp_path / "live")])
     assert isinstance(missing.exception, EldrError)
     assert "add --simulate" in str(missing.exception)
+
+
+def test_a_replayed_run_finds_the_artifacts_of_its_own_home(tmp_path, monkeypatch) -> None:
+    from stages.bench.replay_run import store_beside
+
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path / "default-home"))
+    (tmp_path / "run1" / "results").mkdir(parents=True)
+    (tmp_path / "run1" / "artifacts").mkdir()
+    (tmp_path / "run2" / "results").mkdir(parents=True)
+    assert store_beside(tmp_path / "run1" / "results") == tmp_path / "run1" / "artifacts"
+    # A results folder whose home has no store: the default one (ELDR_HOME's).
+    assert store_beside(tmp_path / "run2" / "results") == tmp_path / "default-home" / "artifacts"

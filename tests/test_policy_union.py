@@ -17,8 +17,9 @@ from stages.routing.policies import (
     make_policy,
     needs_centroids,
 )
-from stages.routing.policies.eldr_union import fast_inclusion, sampled_layers
+from stages.routing.policies.eldr_union import sampled_layers
 from stages.routing.policies.expert_load import WorkerExpertLoad
+from stages.routing.policies.union_kernels import sampled_inclusion
 from stages.serve.decode_router import DecodeRouter
 from stages.signature import wire
 from stages.signature.inclusion import inclusion_probabilities
@@ -62,7 +63,10 @@ def added(p: EldrUnionPolicy, counts: np.ndarray, loads) -> np.ndarray:
     p.choose(r)  # a decision first: it reads the signature's shape
     pi = p._predict(r)
     assert pi is not None
-    return p.added_latency(pi, np.asarray(loads, np.int64))
+    # Every worker scored: no load or slot bound.
+    p._score(RoutingRequest(np.asarray(loads, np.int64), np.ones(len(loads), bool)), pi,
+             load_slack=-1.0, slots=0)
+    return p._latency.copy()
 
 
 def test_registry_builds_it_without_centroids() -> None:
@@ -142,9 +146,16 @@ def test_load_bound_caps_what_overlap_may_buy() -> None:
         UnionParams(load_slack=-1.0)
 
 
-def test_prediction_is_the_shared_inclusion_form() -> None:
+def fast_inclusion(counts: np.ndarray, top_k: int) -> np.ndarray:
+    """The policy's compiled prediction, over every layer."""
+    rows = np.arange(counts.shape[0], dtype=np.int64)
+    return sampled_inclusion(np.ascontiguousarray(counts), rows, top_k)
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
+def test_prediction_is_the_shared_inclusion_form(dtype: type) -> None:
     rng = np.random.default_rng(1)
-    counts = rng.integers(0, 30, size=(LAYERS, EXPERTS)).astype(np.int32)
+    counts = rng.integers(0, 30, size=(LAYERS, EXPERTS)).astype(dtype)
     counts[1] = 0  # a layer without counts: uniform k/E
     expected = inclusion_probabilities(counts, TOP_K).ravel()
     np.testing.assert_allclose(fast_inclusion(counts, TOP_K), expected, rtol=1e-6)
@@ -153,6 +164,13 @@ def test_prediction_is_the_shared_inclusion_form() -> None:
         fast_inclusion(counts, TOP_K), inclusion_probabilities(counts, TOP_K).ravel(), rtol=1e-6
     )
     assert np.isfinite(np.log1p(-fast_inclusion(peaked((0, 1)), TOP_K))).all()
+    # Sampled layers: the same values, those rows only.
+    rows = np.array([1], dtype=np.int64)
+    np.testing.assert_allclose(
+        sampled_inclusion(np.ascontiguousarray(counts), rows, TOP_K),
+        inclusion_probabilities(counts, TOP_K)[rows].ravel(),
+        rtol=1e-6,
+    )
 
 
 def test_spreads_when_nothing_overlaps() -> None:
@@ -275,7 +293,7 @@ def test_worker_unions_match_the_closed_form_through_joins_and_leaves() -> None:
         load.add(0, sure)
     for _ in range(59):
         load.remove(0, sure)
-    assert load.added_distinct(sure)[0] == pytest.approx(float((1.0 - sure) @ sure), abs=1e-6)
+    assert float(load.miss[0] @ sure) == pytest.approx(float((1.0 - sure) @ sure), abs=1e-6)
     assert np.isfinite(load.distinct).all()
 
 
@@ -299,10 +317,10 @@ def test_miss_chances_stay_out_of_float32_subnormals() -> None:
     for _ in range(12):
         load.add(0, sure)
     tiny = np.finfo(np.float32).tiny
-    assert load.added_distinct(sure)[0] == pytest.approx(0.0, abs=1e-20)
-    assert (load._miss >= tiny).all()
+    assert float(load.miss[0] @ sure) == pytest.approx(0.0, abs=1e-20)
+    assert (load.miss >= tiny).all()
     load.remove(0, sure)  # the exact rebuild from logs is floored too
-    assert (load._miss >= tiny).all()
+    assert (load.miss >= tiny).all()
     assert load.distinct[0] == pytest.approx(64.0)
 
 
@@ -330,12 +348,13 @@ def test_cost_option_picks_the_model_it_weighs_with(tmp_path) -> None:
     # Fitted on another model: the preset stands in, so it does not route as the file says.
     p = EldrUnionPolicy(context, UnionParams(cost=str(tmp_path / "other.json")))
     p.choose(req([0, 0], A))
-    assert p._step is not None and p._step.per_seq > 0
+    assert p._step is not None and p._step[1] > 0  # seconds per sequence: the preset's
 
 
 def test_sampled_layers_stand_for_all_when_layers_route_alike() -> None:
     assert sampled_layers(48, 16).tolist() == [round(i * 47 / 15) for i in range(16)]
-    assert sampled_layers(4, 16) is None and sampled_layers(48, 0) is None
+    assert sampled_layers(4, 16).tolist() == [0, 1, 2, 3]
+    assert sampled_layers(48, 0).tolist() == list(range(48))
     with pytest.raises(EldrError, match="sample_layers"):
         UnionParams(sample_layers=-1)
     # peaked() routes every layer alike: one layer of two decides as both do, and its added

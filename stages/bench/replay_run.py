@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from stages import paths
 from stages.bench.replay import LiveRun, load_live_runs, replay_workloads
 from stages.bench.results import PolicyResult, rate_label
 from stages.bench.simulator import SimConfig, simulate_segments
@@ -74,6 +75,13 @@ def _artifact(run: LiveRun, identity: ModelIdentity, store: Path) -> Artifact | 
             f"the live run in {run.result_dir} routed with artifact {version}, which {store}"
             f" cannot give ({exc}); pass --store with the artifact store it was fitted in"
         ) from exc
+
+
+def store_beside(result_dir: Path) -> Path:
+    """The artifact store of the ELDR_HOME a results folder lives in (``<home>/results``),
+    else the default one: two live runs from two homes replay with their own artifacts."""
+    home_store = result_dir.parent / paths.default_artifact_store().name
+    return home_store if home_store.is_dir() else paths.default_artifact_store()
 
 
 def _name(result_dir: Path) -> str:

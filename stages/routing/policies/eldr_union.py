@@ -47,16 +47,13 @@ from stages.routing.cost_model import (
 )
 from stages.routing.inputs import signature_counts
 from stages.routing.params import ParamError, check_range, option
+from stages.routing.policies import union_kernels
 from stages.routing.policies.base import DecodePolicy, RoutingRequest
 from stages.routing.policies.expert_load import WorkerExpertLoad
 from stages.routing.policies.select import least_loaded_random
-from stages.signature.inclusion import inclusion_probabilities
 
 log = logging.getLogger(__name__)
 
-# Workers whose added latency is within this relative margin of the best tie (random pick):
-# empty workers are exact ties, and float noise must not send them all to the lowest index.
-_TIE = 1e-9
 # Measured on the bundled capture (issue 10's settings): 0.25 keeps p99 TPOT within 1% of the
 # best load balancer when prefill predicts nothing, and the locality gain at 60-100 req/s.
 DEFAULT_LOAD_SLACK = 0.25
@@ -64,8 +61,6 @@ DEFAULT_LOAD_SLACK = 0.25
 # of layers estimates the whole union; a decision costs O(workers x sampled layers x E), and at
 # 16 of Qwen3-30B's 48 layers a third of the full product (examples/bench_routing.py).
 DEFAULT_SAMPLE_LAYERS = 16
-# PI_MAX in float32 would round to 1 (log 0); the largest float32 below 1 keeps logs finite.
-_PI_MAX32 = np.float32(1.0 - 2.0**-24)
 
 
 @dataclass(frozen=True)
@@ -110,29 +105,11 @@ def default_cost(num_layers: int, num_experts: int) -> CostModel:
     return gpu_like(num_layers, num_experts) if num_experts >= 8 else cpu_like(num_layers)
 
 
-def fast_inclusion(counts: np.ndarray, top_k: int) -> np.ndarray:
-    """``inclusion_probabilities`` flattened, in float32: this runs on every decision, and
-    float32 takes a third of the time."""
-    pi = counts.astype(np.float32)
-    per_layer = pi.sum(axis=1, keepdims=True)
-    if not per_layer.all():
-        return inclusion_probabilities(counts, top_k).astype(np.float32).ravel()
-    pi *= np.float32(top_k) / per_layer
-    return np.minimum(pi, _PI_MAX32, out=pi).ravel()
-
-
-def sampled_layers(num_layers: int, wanted: int) -> np.ndarray | None:
-    """Indices of ``wanted`` evenly spaced layers of ``num_layers``, or ``None`` for all."""
+def sampled_layers(num_layers: int, wanted: int) -> np.ndarray:
+    """Indices of ``wanted`` evenly spaced layers of ``num_layers`` (0: all of them)."""
     if wanted == 0 or wanted >= num_layers:
-        return None
+        return np.arange(num_layers, dtype=np.int64)
     return np.unique(np.linspace(0, num_layers - 1, wanted).round().astype(np.int64))
-
-
-@dataclass(frozen=True)
-class _StepCost:
-    fixed: float  # seconds per step whatever the batch
-    per_seq: float  # seconds per sequence in the batch
-    per_expert: float  # seconds per distinct expert (summed over layers)
 
 
 class EldrUnionPolicy(DecodePolicy):
@@ -143,6 +120,7 @@ class EldrUnionPolicy(DecodePolicy):
 
     def __init__(self, context: RoutingContext, params: UnionParams | None = None) -> None:
         super().__init__(context, params)
+        union_kernels.warm()
         self.top_k = context.top_k
         self.cost = context.cost
         self.worker_slots = context.worker_slots
@@ -150,45 +128,51 @@ class EldrUnionPolicy(DecodePolicy):
         # may only learn from the first prefill.
         self._load: WorkerExpertLoad | None = None
         self._shape: tuple[int, int] | None = None
-        self._rows: np.ndarray | None = None  # the sampled layers; None: all
-        self._step: _StepCost | None = None
+        self._rows: np.ndarray | None = None  # the sampled layers
+        # Seconds per step: fixed, per sequence in the batch, per distinct expert of a
+        # sampled layer (it stands for num_layers / kept layers').
+        self._step: np.ndarray | None = None
         self._members: dict[Hashable, tuple[int, np.ndarray]] = {}
-        # The last request's prediction and the distinct experts it adds per worker, so its
-        # dispatch does not compute them again.
+        # The last request's prediction, and the distinct experts it adds per scored worker
+        # (``_added``, valid while ``_scored`` is that request), so its dispatch does not
+        # compute them again.
         self._last: tuple[RoutingRequest, np.ndarray | None] | None = None
-        self._last_added: np.ndarray | None = None
+        self._scored: RoutingRequest | None = None
+        self._added = np.zeros(self.num_workers)
+        self._latency = np.zeros(self.num_workers)
 
     # --- decision ---
 
     def choose(self, request: RoutingRequest) -> int:
         loads, eligible = request.loads, request.eligible
         slots = self.worker_slots
-        candidates = eligible if slots is None else eligible & (loads < slots)
-        if not candidates.any():
-            # Every healthy worker is full: the request queues, and the shortest queue drains
-            # first.
-            return least_loaded_random(loads, eligible, self.rng)
         pi = self._predict(request)
         if pi is None:
-            return least_loaded_random(loads, candidates, self.rng)
-        open_loads = loads[candidates]
-        slack = max(1, int(self.params.load_slack * open_loads.mean()))
-        candidates = candidates & (loads <= open_loads.min() + slack)
-        added = np.where(candidates, self.added_latency(pi, loads), np.inf)
-        best = np.flatnonzero(added <= added.min() * (1.0 + _TIE))
-        return int(best[0] if best.size == 1 else best[self.rng.integers(best.size)])
+            candidates = eligible if slots is None else eligible & (loads < slots)
+            # Every healthy worker full: the request queues, and the shortest queue drains first.
+            return least_loaded_random(loads, candidates if candidates.any() else eligible,
+                                       self.rng)
+        ties = self._score(request, pi, self.params.load_slack)
+        if ties == 0:
+            return least_loaded_random(loads, eligible, self.rng)  # every healthy worker full
+        latency = self._latency
+        if ties == 1:
+            return int(np.argmin(latency))
+        best = np.flatnonzero(latency <= latency.min() * (1.0 + union_kernels.TIE))
+        return int(best[self.rng.integers(best.size)])
 
-    def added_latency(self, pi: np.ndarray, loads: np.ndarray) -> np.ndarray:
-        """Per worker, seconds per token added over all requests if one with flattened
-        inclusion probabilities ``pi`` joins it."""
+    def _score(
+        self, request: RoutingRequest, pi: np.ndarray, load_slack: float, slots: int | None = None
+    ) -> int:
+        """Fill ``_latency`` (and ``_added``) for ``request``; the number of best ties."""
         assert self._load is not None and self._step is not None  # set with the first pi
-        step = self._step
-        added_distinct = self._load.added_distinct(pi)
-        self._last_added = added_distinct
-        extra = step.per_seq + step.per_expert * added_distinct
-        n = loads.astype(np.float64)
-        now = step.fixed + step.per_seq * n + step.per_expert * self._load.distinct
-        return now + (n + 1.0) * extra
+        if slots is None:
+            slots = self.worker_slots or 0
+        self._scored = request
+        return int(union_kernels.worker_latency(
+            self._load.miss, pi, request.loads, request.eligible, slots, load_slack,
+            self._load.distinct, self._step, self._added, self._latency,
+        ))
 
     def _predict(self, request: RoutingRequest) -> np.ndarray | None:
         """Flattened ``pi`` of the request, or ``None`` when it has no usable signature."""
@@ -196,10 +180,13 @@ class EldrUnionPolicy(DecodePolicy):
         if last is not None and last[0] is request:
             return last[1]
         pi = None
-        self._last_added = None
+        self._scored = None
         counts = signature_counts(request.counts)
         if counts is not None and self.top_k is not None and self._fits(counts.shape):
-            pi = fast_inclusion(counts if self._rows is None else counts[self._rows], self.top_k)
+            assert self._rows is not None  # set with the shape
+            pi = union_kernels.sampled_inclusion(
+                np.ascontiguousarray(counts), self._rows, self.top_k
+            )
         self._last = (request, pi)
         return pi
 
@@ -210,13 +197,12 @@ class EldrUnionPolicy(DecodePolicy):
             num_layers, num_experts = int(shape[0]), int(shape[1])
             cost = self.params.step_cost(self.cost, num_layers, num_experts)
             self._rows = sampled_layers(num_layers, self.params.sample_layers)
-            kept = num_layers if self._rows is None else self._rows.size
-            self._step = _StepCost(
-                fixed=cost.base_s + cost.num_layers * cost.moe_fixed_s,
-                per_seq=cost.per_token_s,
-                # A sampled layer's distinct experts stand for num_layers / kept layers'.
-                per_expert=cost.per_expert_s * num_layers / kept,
-            )
+            kept = self._rows.size
+            self._step = np.array([
+                cost.base_s + cost.num_layers * cost.moe_fixed_s,
+                cost.per_token_s,
+                cost.per_expert_s * num_layers / kept,
+            ])
             self._load = WorkerExpertLoad(self.num_workers, kept * num_experts)
             self._shape = (num_layers, num_experts)
         # Another shape is another model's signature: it predicts nothing here.
@@ -227,14 +213,13 @@ class EldrUnionPolicy(DecodePolicy):
     def on_dispatch(self, worker: int, request: RoutingRequest, key: Hashable) -> None:
         if key in self._members:
             raise EldrError(f"request key {key!r} dispatched twice without completing")
-        fresh = self._last is not None and self._last[0] is request
+        scored = self._scored is request and np.isfinite(self._latency[worker])
         pi = self._predict(request)
-        added = self._last_added if fresh else None
-        self._last = self._last_added = None
+        self._last = self._scored = None
         if pi is None:
             return  # counted by the proxy's loads only
         assert self._load is not None
-        self._load.add(worker, pi, None if added is None else float(added[worker]))
+        self._load.add(worker, pi, float(self._added[worker]) if scored else None)
         self._members[key] = (worker, pi)
 
     def on_complete(self, worker: int, key: Hashable) -> None:

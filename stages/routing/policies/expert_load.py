@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# The smallest ``q`` kept: normal in float32 (whose subnormals start below 1.2e-38).
-MISS_FLOOR = np.float32(1e-30)
+from stages.routing.policies import union_kernels
+from stages.routing.policies.union_kernels import MISS_FLOOR
 
 
 class WorkerExpertLoad:
@@ -32,21 +32,20 @@ class WorkerExpertLoad:
         """``size`` = L*E, the flattened signature."""
         self.size = size
         self._log_miss = np.zeros((num_workers, size), dtype=np.float64)
-        # float32 q for the per-decision product: half the memory traffic, and its relative
-        # error (~1e-7) is far below what separates two workers.
-        self._miss = np.ones((num_workers, size), dtype=np.float32)
+        # float32 q (``miss``) for the per-decision product: half the memory traffic, and its
+        # relative error (~1e-7) is far below what separates two workers.
+        self.miss = np.ones((num_workers, size), dtype=np.float32)
         self._members = np.zeros(num_workers, dtype=np.int64)
         self._queued: list[list[np.ndarray]] = [[] for _ in range(num_workers)]
         self.distinct = np.zeros(num_workers, dtype=np.float64)  # expected distinct, per worker
 
     def add(self, worker: int, pi: np.ndarray, added: float | None = None) -> None:
         """A request with flattened float32 ``pi`` joined ``worker``; ``added`` is
-        ``added_distinct(pi)[worker]`` when the caller has it (it is the rise in distinct)."""
-        miss = self._miss[worker]
+        ``miss[worker] @ pi`` when the caller has it (it is the rise in distinct)."""
+        miss = self.miss[worker]
         if added is None:
             added = float(miss @ pi)
-        miss *= 1.0 - pi
-        np.maximum(miss, MISS_FLOOR, out=miss)
+        union_kernels.join(miss, pi)
         self._members[worker] += 1
         self._queued[worker].append(pi)
         self.distinct[worker] += added
@@ -68,8 +67,5 @@ class WorkerExpertLoad:
         miss = np.exp(log_miss)
         self.distinct[worker] = self.size - float(miss.sum())
         np.maximum(miss, MISS_FLOOR, out=miss)
-        self._miss[worker] = miss
+        self.miss[worker] = miss
 
-    def added_distinct(self, pi: np.ndarray) -> np.ndarray:
-        """Per worker, the expected distinct experts a request with flattened ``pi`` adds."""
-        return self._miss @ pi
