@@ -10,6 +10,7 @@ import pytest
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel
+from stages.routing.inputs import routing_inputs
 from stages.routing.policies import (
     EldrUnionPolicy,
     RoutingRequest,
@@ -192,7 +193,8 @@ def test_respects_batch_slots() -> None:
 def test_without_a_signature_it_is_least_loaded_with_random_ties() -> None:
     p = policy(workers=4)
     dispatch(p, 2, A, "a", [0, 0, 0, 0])
-    zero = np.zeros((LAYERS, EXPERTS), np.int32)
+    # An all-zero table reaches a policy as no signature (the proxy's and simulator's rule).
+    zero = routing_inputs(np.zeros((LAYERS, EXPERTS), np.int32), None).counts
     for counts in (None, zero):
         assert p.choose(req([3, 1, 2, 5], counts)) == 1
         picks = Counter(p.choose(req([1, 0, 0, 1], counts)) for _ in range(200))

@@ -11,13 +11,12 @@ policy falls back to its load rule) while its counts stay usable.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class RoutingInputs:
+class RoutingInputs(NamedTuple):  # a tuple: one per request, built in half a dataclass's time
     features: np.ndarray | None  # float32 [D] unit vector, or None if unknown
     counts: np.ndarray | None  # int [L, E] as sent; None: the signature is missing
 

@@ -32,8 +32,7 @@ from stages.serve.online_refit import OnlineRefitter, RefitResult
 from stages.signature import wire
 
 
-@dataclass(frozen=True)
-class Features:
+class Features(NamedTuple):  # a tuple: one per request, built in half a dataclass's time
     vector: np.ndarray | None  # float32 [D] unit vector, None when unknown
     missing: bool  # the policy wanted a signature and the prefill did not deliver a valid one
     counts: np.ndarray | None = None  # int32 [L, E] as decoded, for policies that read counts

@@ -45,7 +45,6 @@ from stages.routing.cost_model import (
     cpu_like,
     gpu_like,
 )
-from stages.routing.inputs import signature_counts
 from stages.routing.params import ParamError, check_range, option
 from stages.routing.policies import union_kernels
 from stages.routing.policies.base import DecodePolicy, RoutingRequest
@@ -181,7 +180,7 @@ class EldrUnionPolicy(DecodePolicy):
             return last[1]
         pi = None
         self._scored = None
-        counts = signature_counts(request.counts)
+        counts = request.counts  # usable or None (``routing_inputs``)
         if counts is not None and self.top_k is not None and self._fits(counts.shape):
             assert self._rows is not None  # set with the shape
             pi = union_kernels.sampled_inclusion(
