@@ -30,6 +30,16 @@ def test_help_lists_every_stage() -> None:
         assert command in result.output
 
 
+def test_the_cli_starts_without_the_engine_or_compiler_imported() -> None:
+    # `eldr --help` and every command's start stay quick: torch, vLLM and numba (eldr-union's
+    # kernels, ~1 s to import) come in only with the work that needs them.
+    code = ("import sys, eldr_cli.app; print(sorted({'torch', 'vllm', 'numba'}"
+            " & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("command", ["capture", "fit", "serve", "bench"])
 def test_every_option_is_documented(command: str) -> None:
     result = runner.invoke(app, [command, "--help"])

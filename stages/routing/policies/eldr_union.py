@@ -32,7 +32,7 @@ import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -46,10 +46,11 @@ from stages.routing.cost_model import (
     gpu_like,
 )
 from stages.routing.params import ParamError, check_range, option
-from stages.routing.policies import union_kernels
 from stages.routing.policies.base import DecodePolicy, RoutingRequest
-from stages.routing.policies.expert_load import WorkerExpertLoad
 from stages.routing.policies.select import least_loaded_random
+
+if TYPE_CHECKING:
+    from stages.routing.policies.expert_load import WorkerExpertLoad
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,12 @@ class EldrUnionPolicy(DecodePolicy):
 
     def __init__(self, context: RoutingContext, params: UnionParams | None = None) -> None:
         super().__init__(context, params)
+        # Imported (and compiled or loaded from numba's cache) with the first policy built,
+        # not with the registry: every eldr command would pay numba's import otherwise.
+        from stages.routing.policies import union_kernels
+
         union_kernels.warm()
+        self._kernels = union_kernels
         self.top_k = context.top_k
         self.cost = context.cost
         self.worker_slots = context.worker_slots
@@ -157,7 +163,7 @@ class EldrUnionPolicy(DecodePolicy):
         latency = self._latency
         if ties == 1:
             return int(np.argmin(latency))
-        best = np.flatnonzero(latency <= latency.min() * (1.0 + union_kernels.TIE))
+        best = np.flatnonzero(latency <= latency.min() * (1.0 + self._kernels.TIE))
         return int(best[self.rng.integers(best.size)])
 
     def _score(
@@ -168,7 +174,7 @@ class EldrUnionPolicy(DecodePolicy):
         if slots is None:
             slots = self.worker_slots or 0
         self._scored = request
-        return int(union_kernels.worker_latency(
+        return int(self._kernels.worker_latency(
             self._load.miss, pi, request.loads, request.eligible, slots, load_slack,
             self._load.distinct, self._step, self._added, self._latency,
         ))
@@ -183,7 +189,7 @@ class EldrUnionPolicy(DecodePolicy):
         counts = request.counts  # usable or None (``routing_inputs``)
         if counts is not None and self.top_k is not None and self._fits(counts.shape):
             assert self._rows is not None  # set with the shape
-            pi = union_kernels.sampled_inclusion(
+            pi = self._kernels.sampled_inclusion(
                 np.ascontiguousarray(counts), self._rows, self.top_k
             )
         self._last = (request, pi)
@@ -202,6 +208,8 @@ class EldrUnionPolicy(DecodePolicy):
                 cost.per_token_s,
                 cost.per_expert_s * num_layers / kept,
             ])
+            from stages.routing.policies.expert_load import WorkerExpertLoad
+
             self._load = WorkerExpertLoad(self.num_workers, kept * num_experts)
             self._shape = (num_layers, num_experts)
         # Another shape is another model's signature: it predicts nothing here.
