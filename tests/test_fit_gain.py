@@ -12,7 +12,7 @@ import pytest
 from stages.fit.artifact import ArtifactStore
 from stages.fit.batch_union import batch_union
 from stages.fit.gain import GainConfig, batch_verdict, estimate_gain, overall_verdict
-from stages.fit.gain_report import BALANCERS, CENTROID_POLICIES, gain_lines
+from stages.fit.gain_report import BALANCERS, LOCALITY_POLICIES, gain_lines
 from stages.fit.pipeline import FitConfig, fit_artifact
 from stages.routing.cost_model import gpu_like
 from stages.routing.policies import POLICIES
@@ -169,5 +169,5 @@ def test_overall_verdict() -> None:
 
 
 def test_advice_names_registered_policies() -> None:
-    for name in BALANCERS + CENTROID_POLICIES:
+    for name in BALANCERS + LOCALITY_POLICIES:
         assert name in POLICIES

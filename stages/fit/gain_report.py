@@ -10,9 +10,11 @@ from typing import Any
 
 from stages.fit.gain import MEMBERS_PER_SLOT, MIN_TPOT_GAIN
 
-# Named in the advice; tests check both are registered decode policies.
+# Named in the advice; tests check they are registered decode policies. eldr-union first: it
+# matches the centroid rules' median where locality is strong and keeps the tail (README,
+# "Which policy"); eldr-bl packs harder, which pays on two or three decode workers.
 BALANCERS = ("jsq", "rr")
-CENTROID_POLICIES = ("eldr", "eldr-bl")
+LOCALITY_POLICIES = ("eldr-union", "eldr-bl")
 
 
 def gain_lines(gain: dict[str, Any], k: int) -> list[str]:
@@ -68,7 +70,8 @@ def verdict_line(gain: dict[str, Any]) -> str:
         return (
             f"verdict: expected gain: same-cluster decode batches of {best['batch_size']} use"
             f" {-best['change']:.1%} fewer distinct experts per step{tpot}{caveat}. Route with"
-            f" `--policy {CENTROID_POLICIES[0]}` or `{CENTROID_POLICIES[1]}`."
+            f" `--policy {LOCALITY_POLICIES[0]}` (or `{LOCALITY_POLICIES[1]}` on two or three"
+            " decode workers)."
         )
     if verdict == "negligible":
         return (
