@@ -64,9 +64,10 @@ def added(p: EldrUnionPolicy, counts: np.ndarray, loads) -> np.ndarray:
     p.choose(r)  # a decision first: it reads the signature's shape
     pi = p._predict(r)
     assert pi is not None
-    # Every worker scored: no load or slot bound.
+    # Every worker scored: a load slack no load comes near (the policies here have no slots).
+    assert p.worker_slots is None
     p._score(RoutingRequest(np.asarray(loads, np.int64), np.ones(len(loads), bool)), pi,
-             load_slack=-1.0, slots=0)
+             load_slack=1e9)
     return p._latency.copy()
 
 

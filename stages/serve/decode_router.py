@@ -35,7 +35,7 @@ from stages.signature import wire
 class Features(NamedTuple):  # a tuple: one per request, built in half a dataclass's time
     vector: np.ndarray | None  # float32 [D] unit vector, None when unknown
     missing: bool  # the policy wanted a signature and the prefill did not deliver a valid one
-    counts: np.ndarray | None = None  # int32 [L, E] as decoded, for policies that read counts
+    counts: np.ndarray | None = None  # int16 [L, E] as decoded, for policies that read counts
 
 
 NO_FEATURES = Features(None, missing=False)

@@ -166,16 +166,13 @@ class EldrUnionPolicy(DecodePolicy):
         best = np.flatnonzero(latency <= latency.min() * (1.0 + self._kernels.TIE))
         return int(best[self.rng.integers(best.size)])
 
-    def _score(
-        self, request: RoutingRequest, pi: np.ndarray, load_slack: float, slots: int | None = None
-    ) -> int:
+    def _score(self, request: RoutingRequest, pi: np.ndarray, load_slack: float) -> int:
         """Fill ``_latency`` (and ``_added``) for ``request``; the number of best ties."""
         assert self._load is not None and self._step is not None  # set with the first pi
-        if slots is None:
-            slots = self.worker_slots or 0
         self._scored = request
         return int(self._kernels.worker_latency(
-            self._load.miss, pi, request.loads, request.eligible, slots, load_slack,
+            self._load.miss, pi, request.loads, request.eligible, self.worker_slots or 0,
+            load_slack,
             self._load.distinct, self._step, self._added, self._latency,
         ))
 

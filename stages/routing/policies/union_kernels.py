@@ -81,8 +81,8 @@ def worker_latency(
     over all requests in flight (``eldr_union``'s formula; ``step`` = fixed, per-sequence and
     per-expert seconds), ``inf`` where it may not go. A worker may go if it is ``eligible``,
     has a free batch slot (``slots`` > 0 of them; 0: no limit) and holds at most
-    ``max(1, int(load_slack x mean))`` more requests than the least loaded of those
-    (``load_slack`` < 0: no such bound). ``added`` gets the expected distinct experts it adds
+    ``max(1, int(load_slack x mean))`` more requests than the least loaded of those.
+    ``added`` gets the expected distinct experts it adds
     where scored. Returns how many workers tie the best (0: none may go)."""
     num_workers = loads.size
     open_count = 0
@@ -95,9 +95,7 @@ def worker_latency(
             least = min(least, loads[w])
     if open_count == 0:
         return 0
-    bound = np.iinfo(np.int64).max
-    if load_slack >= 0:
-        bound = least + max(1, int(load_slack * (open_total / open_count)))
+    bound = least + max(1, int(load_slack * (open_total / open_count)))
     fixed, per_seq, per_expert = step[0], step[1], step[2]
     best = np.inf
     for w in range(num_workers):
