@@ -58,7 +58,7 @@ def decode(params: dict[str, Any] | None, expected_shape: tuple[int, int] | None
     if not params or SIGNATURE_KEY not in params:
         return None
     try:
-        shape = tuple(int(x) for x in params[SHAPE_KEY])
+        shape = tuple(map(int, params[SHAPE_KEY]))
         # The stdlib's decoder takes ~45 us for a 48 x 128 signature, most of a routing
         # decision; pybase64 (SIMD) takes ~1.5 us and validates the same way.
         # A bytearray, so the counts below are a writable view of it: no copy.

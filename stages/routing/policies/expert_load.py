@@ -38,6 +38,8 @@ class WorkerExpertLoad:
         self._members = np.zeros(num_workers, dtype=np.int64)
         self._queued: list[list[np.ndarray]] = [[] for _ in range(num_workers)]
         self.distinct = np.zeros(num_workers, dtype=np.float64)  # expected distinct, per worker
+        self._term = np.empty(size, dtype=np.float32)
+        self._exact = np.empty(size, dtype=np.float64)
 
     def add(self, worker: int, pi: np.ndarray, added: float | None = None) -> None:
         """A request with flattened float32 ``pi`` joined ``worker``; ``added`` is
@@ -60,12 +62,14 @@ class WorkerExpertLoad:
             log_miss.fill(0.0)
             queued.clear()
         else:
+            term = self._term  # scratch, so the loop allocates nothing
             for joined in queued:
-                log_miss += np.log1p(-joined)
+                np.log1p(np.negative(joined, out=term), out=term)
+                log_miss += term
             queued.clear()
-            log_miss -= np.log1p(-pi)
-        miss = np.exp(log_miss)
-        self.distinct[worker] = self.size - float(miss.sum())
-        np.maximum(miss, MISS_FLOOR, out=miss)
-        self.miss[worker] = miss
+            np.log1p(np.negative(pi, out=term), out=term)
+            log_miss -= term
+        exact = np.exp(log_miss, out=self._exact)
+        self.distinct[worker] = self.size - float(exact.sum())
+        np.maximum(exact, MISS_FLOOR, out=self.miss[worker])
 

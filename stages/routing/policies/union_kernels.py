@@ -83,7 +83,8 @@ def worker_latency(
     has a free batch slot (``slots`` > 0 of them; 0: no limit) and holds at most
     ``max(1, int(load_slack x mean))`` more requests than the least loaded of those.
     ``added`` gets the expected distinct experts it adds
-    where scored. Returns how many workers tie the best (0: none may go)."""
+    where scored. Returns how many workers tie the best (0: none may go) and the first of them
+    (the pick when it is the only one)."""
     num_workers = loads.size
     open_count = 0
     open_total = 0
@@ -94,7 +95,7 @@ def worker_latency(
             open_total += loads[w]
             least = min(least, loads[w])
     if open_count == 0:
-        return 0
+        return 0, -1
     bound = least + max(1, int(load_slack * (open_total / open_count)))
     fixed, per_seq, per_expert = step[0], step[1], step[2]
     best = np.inf
@@ -109,10 +110,13 @@ def worker_latency(
         latency[w] = now + (n + 1.0) * (per_seq + per_expert * total)
         best = min(best, latency[w])
     ties = 0
+    first = -1
     for w in range(num_workers):
         if latency[w] <= best * (1.0 + TIE):
+            if ties == 0:
+                first = w
             ties += 1
-    return ties
+    return ties, first
 
 
 @_jit
@@ -133,3 +137,4 @@ def warm() -> None:
     worker_latency(miss, pi, loads, loads == 0, 0, 0.25, np.zeros(2), np.ones(3), np.empty(2),
                    np.empty(2))
     join(miss[0], pi)
+
