@@ -182,12 +182,13 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
     )
     groups = live_core_plan(len(prefill_urls), len(workers)).decode_groups
     sharing = tuple(groups.count(g) for g in groups)
-    # Three batch sizes x (one domain, all domains), every worker at once, bracket the curve
-    # and the batches it runs live in ~3 minutes on a CPU; prefill is timed on the prefill
-    # workers, one prompt at a time (a few seconds).
+    # Four batch sizes x (one domain, all domains), every worker at once, after a warm-up
+    # batch, bracket the curve and the batches it runs live (~6 a worker in the demo) in ~4
+    # minutes on a CPU; prefill is timed on the prefill workers, one prompt at a time (a few
+    # seconds).
     result = measure_engine_cost(EngineCostConfig(
         worker_urls=workers, prompts_path=prompts, num_layers=layers, seed=seed,
-        batch_sizes=(2, 4, 8), domain_mixes=(1, 0), repeats=1, max_tokens=32,
+        batch_sizes=(2, 4, 6, 8), domain_mixes=(1, 0), repeats=1, max_tokens=32,
         prefill_probes=8 if prefill_urls else 0, prefill_urls=prefill_urls,
         core_sharing=sharing,
     ))

@@ -241,6 +241,7 @@ class FakeEngine:
         self.seconds = 0.0
         self.batch: dict[int, tuple[str, asyncio.Queue, int]] = {}
         self.next_id = 0
+        self.served: list[tuple[str, int]] = []  # (prompt, max_tokens), in arrival order
         self.loop_task: asyncio.Task | None = None
         self.app = Starlette(
             routes=[
@@ -268,6 +269,7 @@ class FakeEngine:
     async def completions(self, request: Request) -> Response:
         body = await request.json()
         prompt, n = body["prompt"], body["max_tokens"]
+        self.served.append((prompt, n))
         domain = prompt.split()[0]
         tokens = len(prompt.split())
         queue: asyncio.Queue = asyncio.Queue()
@@ -347,6 +349,13 @@ def test_engine_cost_fit_recovers_the_engine(tmp_path: Path) -> None:
     # a loaded machine.
     assert fit.prefill_per_token_s > 0
     assert math.isfinite(fit.prefill_base_s)
+    # First a warm-up prompt and a warm-up batch of the largest size (4), then the 6 timed
+    # prompts (one token each) and the 14 requests of the timed batches.
+    assert len(fake.served) == 1 + 4 + 6 + 14
+    warm = fake.served[0][0]
+    timed = [prompt for prompt, n in fake.served[5:11]]
+    assert all(n == 1 for _, n in fake.served[5:11])
+    assert len(set(timed)) == 6 and warm not in timed  # the probe's prompts were never cached
 
 
 def test_warmup_excludes_early_requests_of_each_round(tmp_path: Path) -> None:
@@ -383,6 +392,24 @@ def test_warmup_excludes_early_requests_of_each_round(tmp_path: Path) -> None:
     assert 0 < expected < 20
     assert comparison.results["rr"].metrics["completed"] == expected
     assert len(fake.served) == 20  # warm-up requests were still sent
+
+
+def test_engine_cost_can_skip_the_warm_up(tmp_path: Path) -> None:
+    lines = [
+        orjson.dumps({"id": f"{d}{i}", "prompt": f"{d} w", "domain": d}).decode()
+        for d in ("alpha", "beta") for i in range(3)
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    fake = FakeEngine()
+    with serve(fake.app) as url:
+        result = measure_engine_cost(EngineCostConfig(
+            worker_urls=(url,), prompts_path=prompts, num_layers=LAYERS, batch_sizes=(1, 2),
+            domain_mixes=(1, 0), max_tokens=4, repeats=1, prefill_probes=0, settle_s=0.0,
+            warmup=False,
+        ))
+    assert len(result.measurements) == 4
+    assert len(fake.served) == 1 + 1 + 2 + 2  # the timed batches only, no warm-up
 
 
 def test_engine_cost_measures_every_worker_at_once(tmp_path: Path) -> None:
