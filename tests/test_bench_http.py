@@ -65,7 +65,9 @@ def _sse(obj: object) -> bytes:
 class FakeProxy:
     def __init__(self) -> None:
         self.policy = "jsq"
+        self.seed = 0
         self.switches: list[str] = []
+        self.switch_seeds: list[int | None] = []
         self.switch_configs: list[dict | None] = []  # the options sent with each switch
         self.served: list[tuple[str, str, str]] = []  # (request id, policy, prompt)
         self.bodies: list[dict] = []
@@ -87,6 +89,7 @@ class FakeProxy:
             {
                 "policy": self.policy,
                 "config": {},
+                "policy_seed": self.seed,
                 "artifact_version": "v1",
                 "decode_workers": [{"url": str(request.base_url).rstrip("/"), "inflight": 0}],
             }
@@ -98,8 +101,10 @@ class FakeProxy:
         if name not in EXPERTS_PER_LAYER:
             return JSONResponse({"error": "unknown policy"}, status_code=400)
         self.policy = name
+        self.seed = body.get("seed", 0)
         self.switches.append(name)
         self.switch_configs.append(body.get("config"))
+        self.switch_seeds.append(body.get("seed"))
         return JSONResponse({"policy": name})
 
     async def completions(self, request: Request) -> Response:
@@ -151,8 +156,9 @@ def _prompt_file(path: Path, n: int) -> Path:
 
 
 def test_interleaved_plan_rotates_and_covers() -> None:
-    plan = interleaved_plan(10, ["a", "b", "c"], rounds=3)
+    plan = interleaved_plan(10, ["a", "b", "c"], rounds=3, seed=5)
     assert [s.policy for s in plan] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [s.policy_seed for s in plan] == [5, 5, 5, 6, 6, 6, 7, 7, 7]
     for r in range(3):
         spans = {(s.start, s.stop) for s in plan if s.round == r}
         assert len(spans) == 1  # every policy replays the same slice
@@ -185,6 +191,8 @@ def test_comparison_against_fake_proxy(tmp_path: Path) -> None:
     # a policy's options go with every switch to it.
     assert fake.switches == ["eldr", "rr", "rr", "eldr", "jsq"]
     assert fake.switch_configs == [{"tau": 0.05}, None, None, {"tau": 0.05}, None]
+    # Each round its own policy seed (the bench's seed plus the round), then the proxy's own.
+    assert fake.switch_seeds == [7, 7, 8, 8, 0]
     # Every request was served under the policy it is attributed to, and each policy saw the
     # same prompts.
     by_policy: dict[str, list[str]] = {"eldr": [], "rr": []}
@@ -209,6 +217,8 @@ def test_comparison_against_fake_proxy(tmp_path: Path) -> None:
 
     saved = orjson.loads((tmp_path / "out" / "eldr-200qps.json").read_bytes())
     assert saved["completed"] == 10 and saved["policy"] == "eldr"
+    assert saved["policy_order"] == ["eldr", "rr", "rr", "eldr"]
+    assert saved["policy_seeds"] == [7, 7, 8, 8]
     # As vLLM's detailed files: one entry per request in every per-request list.
     for key in ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
                 "queue_times", "generated_texts", "errors", "prompt_ids"):

@@ -173,12 +173,14 @@ def test_a_request_reaching_a_busy_worker_joins_after_its_kv_pull(arrays) -> Non
 
 # -- replay ----------------------------------------------------------------------------------
 def _live_results(folder: Path, ids: list[str], *, with_ids: bool = True, warmup: float = 0.0,
-                  rounds: int = 2, policies: tuple[str, ...] = ("rr", "jsq")) -> None:
-    """What `eldr bench` saves: every request of every round, per policy, in plan order."""
+                  rounds: int = 2, policies: tuple[str, ...] = ("rr", "jsq"),
+                  seed: int | None = 0) -> None:
+    """What `eldr bench` saves: every request of every round, per policy, in plan order
+    (``seed`` None: as saved before the bench seeded each round's policy)."""
     from stages.bench.loadgen import interleaved_plan
 
     arrival = np.cumsum(np.full(len(ids), 0.05)) - 0.05
-    plan = interleaved_plan(len(ids), policies, rounds)
+    plan = interleaved_plan(len(ids), policies, rounds, seed or 0)
     results = {}
     for name in policies:
         records = []
@@ -201,6 +203,9 @@ def _live_results(folder: Path, ids: list[str], *, with_ids: bool = True, warmup
             "rounds": rounds, "warmup_s": warmup, "decode_urls": ["a", "b"],
             "policy_order": [s.policy for s in plan],
             "proxy_state": {p: state for p in policies}}
+    if seed is not None:
+        info["seed"] = seed
+        info["policy_seeds"] = [s.policy_seed for s in plan]
     save_comparison(ComparisonResult(3.0, results, info), folder)
 
 
@@ -219,6 +224,44 @@ def test_replay_reads_back_arrivals_prompts_lengths_cap_and_workers(arrays, tmp_
     assert run.metrics["rr"]["p50_tpot_ms"] == 100.0
     workloads = replay_workloads(run, arrays, None)
     assert list(workloads["rr"][1].rows) == [5, 6, 7, 8, 9]
+
+
+def test_replay_builds_each_round_on_its_recorded_policy_seed(arrays, tmp_path) -> None:
+    ids = [str(i) for i in arrays.ids[:12]]
+    _live_results(tmp_path / "new", ids, seed=4, rounds=3, policies=("random", "rr"))
+    (run,) = load_live_runs(tmp_path / "new")
+    assert [s.policy_seed for s in run.segments["random"]] == [4, 5, 6]
+    workloads = replay_workloads(run, arrays, None)
+    assert [w.policy_seed for w in workloads["random"]] == [4, 5, 6]
+    _live_results(tmp_path / "old", ids, seed=None, rounds=3, policies=("random", "rr"))
+    (old,) = load_live_runs(tmp_path / "old")
+    assert [s.policy_seed for s in old.segments["random"]] == [0, 0, 0]  # the proxy's own
+    for name in ("random", "rr"):
+        path = tmp_path / "new" / f"{name}-3qps.json"
+        data = orjson.loads(path.read_bytes())
+        data["policy_seeds"] = data["policy_seeds"][:-1]
+        path.write_bytes(orjson.dumps(data))
+    with pytest.raises(EldrError, match="policy seeds"):
+        load_live_runs(tmp_path / "new")
+
+
+def test_a_segment_runs_its_policy_on_the_workload_seed(arrays) -> None:
+    """The replayed random policy draws what the live one drew: same seed, same workers."""
+    rows = np.arange(40)
+    base = workload_of(arrays, np.arange(40) * 0.01, rows, np.full(40, 30), np.full(40, 4),
+                       None)
+    config = SimConfig(cost=COST, num_prefill=1, num_decode=4, duration_s=1.0,
+                       policies=("random",), step_noise=False)
+
+    def tpots(seed: int) -> np.ndarray:
+        (result,) = simulate_segments(config, arrays, None,
+                                      {"random": [replace(base, policy_seed=seed)]},
+                                      top_k=SPEC.top_k).values()
+        t = result.table
+        return (t.latency_s - t.ttft_s) / (t.output_tokens - 1)
+
+    assert np.array_equal(tpots(1), tpots(1))
+    assert not np.array_equal(tpots(1), tpots(2))
 
 
 def test_replay_rebuilds_the_prompts_of_results_without_ids(arrays, tmp_path) -> None:

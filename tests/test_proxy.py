@@ -15,6 +15,8 @@ import orjson
 import pytest
 
 from stages.errors import EldrError
+from stages.routing.context import RoutingContext
+from stages.routing.policies import RoutingRequest, make_policy
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.config import ProxyConfig
 from stages.serve.proxy import create_app
@@ -353,6 +355,22 @@ def test_missing_signature_falls_back_and_is_counted(env: Cluster) -> None:
         b.signature = lambda body: np.ones((9, 9), np.int32)  # wrong [L, E] for the artifact
     assert completion(env, "domain=2").status_code == 200
     assert env.metric("eldr_router_missing_signature_total") == before + 2
+
+
+def test_admin_seeds_the_policy_it_switches_to(env: Cluster) -> None:
+    assert env.client.get("/admin/state").json()["policy_seed"] == 0  # eldr serve --seed
+    r = env.client.post("/admin/policy", json={"policy": "random", "seed": 3})
+    assert r.status_code == 200 and r.json()["policy_seed"] == 3
+    loads, everyone = np.zeros(3, np.int64), np.ones(3, bool)
+    drawn = [env.state.router.policy.choose(RoutingRequest(loads, everyone)) for _ in range(20)]
+    twin = make_policy("random", RoutingContext(3, seed=3))
+    assert drawn == [twin.choose(RoutingRequest(loads, everyone)) for _ in range(20)]
+    for bad in (-1, "3", True, 1.5):
+        r = env.client.post("/admin/policy", json={"policy": "rr", "seed": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    assert env.client.get("/admin/state").json()["policy"] == "random"  # nothing changed
+    # A switch without a seed draws from the proxy's own again.
+    assert env.client.post("/admin/policy", json={"policy": "rr"}).json()["policy_seed"] == 0
 
 
 def test_admin_switches_policy_at_run_time(env: Cluster) -> None:

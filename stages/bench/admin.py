@@ -48,14 +48,17 @@ class ProxyAdmin:
             return None
 
     async def set_policy(
-        self, name: str, config: Mapping[str, Any] | None = None
+        self, name: str, config: Mapping[str, Any] | None = None, seed: int | None = None
     ) -> dict[str, Any]:
         """Switch the decode policy, updating its options by ``config`` when given (the proxy
-        keeps them for that policy), and confirm it took effect; returns the new state."""
+        keeps them for that policy) and drawing from ``seed`` when given, and confirm it took
+        effect; returns the new state."""
         url = f"{self._base}/admin/policy"
         body: dict[str, Any] = {"policy": name}
         if config:
             body["config"] = dict(config)
+        if seed is not None:
+            body["seed"] = seed
         try:
             response = await self._client.post(url, json=body, timeout=self._timeout)
         except httpx.HTTPError as exc:
@@ -69,6 +72,11 @@ class ProxyAdmin:
         if state.get("policy") != name:
             raise EldrError(
                 f"asked the proxy for policy {name!r} but it reports {state.get('policy')!r}"
+            )
+        if seed is not None and state.get("policy_seed") != seed:
+            raise EldrError(
+                f"asked the proxy for policy seed {seed} but it reports"
+                f" {state.get('policy_seed')!r} (a proxy older than this bench?)"
             )
         return state
 

@@ -96,16 +96,22 @@ class Segment:
     policy: str
     start: int
     stop: int
+    # The policy's seed (random ties and draws) in this round: a round each, so the rounds of
+    # a random policy are independent draws, not one choice sequence three times.
+    policy_seed: int = 0
 
 
-def interleaved_plan(num_prompts: int, policies: Sequence[str], rounds: int) -> list[Segment]:
-    """Round r runs every policy on slice r, starting with policy r mod P."""
+def interleaved_plan(
+    num_prompts: int, policies: Sequence[str], rounds: int, seed: int = 0
+) -> list[Segment]:
+    """Round r runs every policy on slice r, starting with policy r mod P, with policy seed
+    ``seed + r``."""
     rounds = max(1, min(rounds, num_prompts))
     bounds = np.linspace(0, num_prompts, rounds + 1).round().astype(int)
     plan = []
     for r in range(rounds):
         order = [policies[(r + i) % len(policies)] for i in range(len(policies))]
-        plan += [Segment(r, p, int(bounds[r]), int(bounds[r + 1])) for p in order]
+        plan += [Segment(r, p, int(bounds[r]), int(bounds[r + 1]), seed + r) for p in order]
     return plan
 
 
@@ -225,7 +231,7 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
     """The comparison at ``config.request_rate`` (async; see ``run_policy_comparison``)."""
     prompts = sample_prompts(load_prompts(config.prompts_path), config.num_prompts, config.seed)
     offsets = poisson_arrivals(len(prompts), config.request_rate, config.seed)
-    plan = interleaved_plan(len(prompts), config.policies, config.rounds)
+    plan = interleaved_plan(len(prompts), config.policies, config.rounds, config.seed)
     # vLLM's benchmark client has no connection cap; a pool limit would queue requests
     # client-side and charge the wait to TTFT.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -237,7 +243,7 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
         )
         if not worker_urls:
             log.warning("no decode worker URLs (proxy state or --decode-urls): no expert counts")
-        initial_policy = state.get("policy")
+        initial_policy, initial_seed = state.get("policy"), state.get("policy_seed")
         model_id = config.model or await admin.served_model()
         outcomes: dict[str, list[_SegmentOutcome]] = {p: [] for p in config.policies}
         policy_states: dict[str, dict] = {}
@@ -251,11 +257,16 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
             for seg in plan:
                 progress.set_postfix(round=seg.round, policy=seg.policy)
                 policy_states[seg.policy] = await admin.set_policy(
-                    seg.policy, config.policy_config.overrides(seg.policy)
+                    seg.policy, config.policy_config.overrides(seg.policy), seg.policy_seed
                 )
                 outcomes[seg.policy].append(await runner.run_segment(seg))
-        if isinstance(initial_policy, str) and initial_policy != plan[-1].policy:
-            await admin.set_policy(initial_policy)  # leave the proxy as we found it
+        last = plan[-1]
+        if isinstance(initial_policy, str) and (
+            initial_policy != last.policy or initial_seed != last.policy_seed
+        ):
+            # Leave the proxy as we found it.
+            seed = initial_seed if isinstance(initial_seed, int) else None
+            await admin.set_policy(initial_policy, seed=seed)
 
     results = {p: _policy_result(p, outcomes[p]) for p in config.policies}
     info: dict[str, object] = {
@@ -272,6 +283,7 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
         "decode_urls": list(worker_urls),
         "num_layers": config.num_layers,
         "policy_order": [s.policy for s in plan],
+        "policy_seeds": [s.policy_seed for s in plan],
         "proxy_state": {p: policy_states[p] for p in config.policies},
     }
     comparison = ComparisonResult(config.request_rate, results, info)

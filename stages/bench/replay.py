@@ -5,7 +5,8 @@ Each policy's file (``results.policy_json``) lists every request of every round 
 arrival, ``start - queue``), its prompt and output lengths, and, since results carry them, its
 prompt id. Older files without ids are matched to prompts by rebuilding the load generator's
 sample (``sample_prompts`` with the run's seed and size). Beside them: the concurrency cap, the
-proxy's view of its prefill and decode workers, the artifact and each policy's options. How
+proxy's view of its prefill and decode workers, the artifact, each policy's options and each
+round's policy seed (so a replayed random policy draws the live one's choices). How
 the workers were bound to cores is not saved; it is ``eldr serve``'s plan on this machine's
 cores (``launcher.core_plan``) unless given.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 import orjson
 
 from stages import paths
-from stages.bench.loadgen import interleaved_plan
+from stages.bench.loadgen import Segment, interleaved_plan
 from stages.bench.sim_workload import RoutingArtifact, Workload, workload_of
 from stages.errors import EldrError
 from stages.prompts import load_prompts, sample_prompts
@@ -36,6 +37,7 @@ class LiveSegment:
     """One policy's requests of one round, in the order they were scheduled."""
 
     round: int
+    policy_seed: int  # the seed the proxy built the policy with for this round
     arrival_s: np.ndarray  # float64, scheduled arrival from the round's start
     prompt_ids: tuple[str, ...]
     prompt_tokens: np.ndarray  # int64, as the live run counted them (0 for a failure)
@@ -154,7 +156,7 @@ def _live_run(
     max_tokens = int(_same(files, "max_tokens"))
     policies = _order(files)
     docs = {str(doc["policy"]): doc for _, doc in files}
-    plan = interleaved_plan(num_prompts, policies, rounds)
+    plan = _with_seeds(interleaved_plan(num_prompts, policies, rounds), files, result_dir)
     recorded = _same(files, "prompts_path")
     prompts_path = Path(recorded) if isinstance(recorded, str) else prompts
     rebuilt: list[str] | None = None
@@ -196,6 +198,24 @@ def _live_run(
         policy_config=_policy_config(_same(files, "proxy_state"), policies),
         prompts_path=prompts_path,
     )
+
+
+def _with_seeds(
+    plan: list[Segment], files: list[tuple[Path, dict[str, Any]]], result_dir: Path
+) -> list[Segment]:
+    """The plan with each round's recorded policy seed; results from before the bench seeded
+    rounds ran every round on the proxy's own seed (``eldr serve --seed``, 0 by default)."""
+    seeds = _same(files, "policy_seeds")
+    if seeds is None:
+        return [replace(s, policy_seed=0) for s in plan]
+    if (
+        not isinstance(seeds, list)
+        or len(seeds) != len(plan)
+        or not all(type(x) is int for x in seeds)
+    ):
+        raise EldrError(f"the results in {result_dir} list policy seeds that do not match"
+                        f" their {len(plan)} policy rounds")
+    return [replace(s, policy_seed=x) for s, x in zip(plan, seeds, strict=True)]
 
 
 def _is_number(value: object) -> bool:
@@ -250,6 +270,7 @@ def _segments(
         out.append(
             LiveSegment(
                 round=seg.round,
+                policy_seed=seg.policy_seed,
                 # Sorted as scheduled; the subtraction's rounding must not reorder them.
                 arrival_s=np.maximum.accumulate(np.maximum(start - queue, 0.0)),
                 prompt_ids=tuple(str(i) for i in ids[part]),
@@ -282,7 +303,7 @@ def replay_workloads(
             rows = np.array([row_of[i] for i in seg.prompt_ids], dtype=np.int64)
             live = seg.prompt_tokens
             prompt = np.where(live > 0, live, arrays.prompt_tokens[rows])
-            out[name].append(
-                workload_of(arrays, seg.arrival_s, rows, prompt, seg.output_tokens, artifact)
-            )
+            workload = workload_of(arrays, seg.arrival_s, rows, prompt, seg.output_tokens,
+                                   artifact)
+            out[name].append(replace(workload, policy_seed=seg.policy_seed))
     return out

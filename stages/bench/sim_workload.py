@@ -45,6 +45,8 @@ class Workload:
     output_tokens: np.ndarray  # int64 [N], >= 2
     feature_rows: np.ndarray  # int64 [N] -> row of ``features``
     features: np.ndarray | None  # float32 [U, D] unit vectors, None without an artifact
+    # The seed its policy is built with (a live round's); None: the simulation's.
+    policy_seed: int | None = None
 
     def __len__(self) -> int:
         return int(self.arrival_s.size)

@@ -5,7 +5,7 @@ schedule: ``stages.bench.replay``) -> sent once fewer than ``max_concurrency`` r
 flight (the load generator's cap; FIFO; None: open loop) -> prefill on the least-loaded
 prefill worker (FIFO, one prompt at a time) -> at prefill end the decode policy
 (``make_policy``, the very classes the proxy runs, built afresh for every segment as the
-proxy's policy switch does) picks a decode worker from the in-flight counts and the request's
+proxy's policy switch does, on the segment's seed: a live round's, or the simulation's) picks a decode worker from the in-flight counts and the request's
 prefill signature (read by the proxy's own ``routing_inputs``) -> the decode worker pulls the
 KV cache -> the request joins the running batch while it has room (continuous batching,
 ``max_batch``) -> one token per step until its output is complete.
@@ -518,7 +518,10 @@ def simulate_segments(
                 raise EldrError(
                     "no request arrives after the warm-up; raise the rate or the duration"
                 )
-            policy = make_policy(name, context, config.policy_config.overrides(name))
+            seeded = context if workload.policy_seed is None else replace(
+                context, seed=workload.policy_seed
+            )
+            policy = make_policy(name, seeded, config.policy_config.overrides(name))
             run = _Segment(config, arrays, workload, profiles, policy, top_k, noise)
             outcomes.append(run.run())
         results[name] = _policy_result(name, outcomes, num_layers)

@@ -25,7 +25,7 @@ from stages.serve.state import ProxyState
 log = logging.getLogger(__name__)
 
 _ADMIN_BODY_LIMIT = 64 * 1024
-_POLICY_KEYS = frozenset(("policy", "config"))
+_POLICY_KEYS = frozenset(("policy", "config", "seed"))
 _ARTIFACT_KEYS = frozenset(("version",))
 
 
@@ -36,6 +36,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
     return {
         "policy": router.policy_name,
         "config": asdict(router.policy.params),
+        "policy_seed": router.policy_seed,  # its random ties and draws
         # What each policy runs with when switched to, beyond its defaults.
         "policy_config": router.policy_config.to_json(),
         "artifact_version": router.artifact.version if router.artifact is not None else None,
@@ -86,7 +87,10 @@ async def set_policy(request: Request) -> Response:
         if config is not None and not isinstance(config, dict):
             raise bad_request(f'"config" must be an object of {name} options, got {config!r}',
                               "config")
-        state.router.set_policy(name, config)
+        seed = body.get("seed")
+        if seed is not None and (type(seed) is not int or seed < 0):
+            raise bad_request(f'"seed" must be an integer >= 0, got {seed!r}', "seed")
+        state.router.set_policy(name, config, seed)
     except ProxyError as exc:
         return exc.response()
     except ParamError as exc:

@@ -74,6 +74,9 @@ class DecodeRouter:
         self.policy_config = policy_config or PolicyConfig()
         self.worker_slots = worker_slots
         self.seed = seed
+        # The active policy's own seed (its random ties and draws): ``seed`` unless a switch
+        # gave one, as the bench does per round so its rounds are independent draws.
+        self.policy_seed = seed
         self.refitter = refitter
         self.artifact: ArtifactLike | None = None
         self._centroids: np.ndarray | None = None
@@ -86,14 +89,14 @@ class DecodeRouter:
         self._keys = itertools.count()
         if artifact is not None:
             self._install(artifact)
-        self.policy: DecodePolicy = self._build(policy, self.policy_config)
+        self.policy: DecodePolicy = self._build(policy, self.policy_config, seed)
 
     # --- configuration (admin API) ---
 
-    def _build(self, name: str, config: PolicyConfig) -> DecodePolicy:
+    def _build(self, name: str, config: PolicyConfig, seed: int) -> DecodePolicy:
         context = RoutingContext(
             self.num_workers,
-            seed=self.seed,
+            seed=seed,
             centroids=self._centroids,
             worker_of_centroid=self._worker_of_centroid,
             worker_slots=self.worker_slots,
@@ -109,14 +112,18 @@ class DecodeRouter:
             return int(self.artifact.identity.top_k)
         return self.model_top_k
 
-    def set_policy(self, name: str, overrides: Mapping[str, Any] | None = None) -> None:
+    def set_policy(
+        self, name: str, overrides: Mapping[str, Any] | None = None, seed: int | None = None
+    ) -> None:
         """Switch to policy ``name``, its options updated by ``overrides`` (kept for later
-        switches back to it)."""
+        switches back to it), drawing from ``seed`` (None: the router's own)."""
         config = self.policy_config
         if overrides is not None:
             config = config.updated(name, overrides)
-        self.policy = self._build(name, config)  # raises before anything changes
+        seed = self.seed if seed is None else seed
+        self.policy = self._build(name, config, seed)  # raises before anything changes
         self.policy_config = config
+        self.policy_seed = seed
 
     def set_artifact(self, artifact: ArtifactLike) -> None:
         top_k = self._top_k()
@@ -126,7 +133,7 @@ class DecodeRouter:
         elif self.policy.uses_counts and self._top_k() != top_k:
             # A new top-k is a new reading of every count; in-flight requests keep completing
             # on the policy that counted them (their Decision holds it).
-            self.policy = self._build(self.policy.name, self.policy_config)
+            self.policy = self._build(self.policy.name, self.policy_config, self.policy_seed)
 
     def _install(self, artifact: ArtifactLike) -> None:
         centroids = np.asarray(artifact.centroids, dtype=np.float32)
