@@ -5,10 +5,11 @@ schedule: ``stages.bench.replay``) -> sent once fewer than ``max_concurrency`` r
 flight (the load generator's cap; FIFO; None: open loop) -> prefill on the least-loaded
 prefill worker (FIFO, one prompt at a time) -> at prefill end the decode policy
 (``make_policy``, the very classes the proxy runs, built afresh for every segment as the
-proxy's policy switch does, on the segment's seed: a live round's, or the simulation's) picks a decode worker from the in-flight counts and the request's
-prefill signature (read by the proxy's own ``routing_inputs``) -> the decode worker pulls the
-KV cache -> the request joins the running batch while it has room (continuous batching,
-``max_batch``) -> one token per step until its output is complete.
+proxy's policy switch does, on the segment's seed: a live round's, or the simulation's) picks
+a decode worker from the in-flight counts and the request's prefill signature (read by the
+proxy's own ``routing_inputs``) -> the decode worker pulls the KV cache -> the request joins
+the running batch while it has room (continuous batching, ``max_batch``) -> one token per step
+until its output is complete.
 
 The KV pull is vLLM's: a worker mid-step starts it at its next step boundary and sees it done
 at the end of the first step that finishes after it, so the request joins one step later; an

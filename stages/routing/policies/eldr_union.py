@@ -62,8 +62,9 @@ DEFAULT_LOAD_SLACK = 0.25
 # of layers estimates the whole union; a decision costs O(workers x sampled layers x E). At 8 of
 # Qwen3-30B's 48 layers a 16-worker decision takes p50 ~17 us / p99 ~40 us (16 layers: ~20 /
 # 41-50 us; examples/bench_routing.py), and on synthetic 48-layer data 4, 8, 16 or all layers
-# gave the same TPOT within 0.5% (domain, weak and no locality, 60 and 100 req/s). Synthetic
-# layers share one domain structure; a model whose layers disagree more may want more of them.
+# gave the same TPOT within 0.5% (domain, weak and no locality, 60 and 100 req/s;
+# examples/bench_sample_layers.py). Synthetic layers share one domain structure; a model whose
+# layers disagree more may want more of them.
 DEFAULT_SAMPLE_LAYERS = 8
 
 
