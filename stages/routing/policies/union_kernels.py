@@ -82,9 +82,8 @@ def worker_latency(
     per-expert seconds), ``inf`` where it may not go. A worker may go if it is ``eligible``,
     has a free batch slot (``slots`` > 0 of them; 0: no limit) and holds at most
     ``max(1, int(load_slack x mean))`` more requests than the least loaded of those.
-    ``added`` gets the expected distinct experts it adds
-    where scored. Returns how many workers tie the best (0: none may go) and the first of them
-    (the pick when it is the only one)."""
+    ``added`` gets the expected distinct experts it adds where scored. Returns how many workers
+    tie the best (0: none may go) and the first of them (the pick when it is the only one)."""
     num_workers = loads.size
     open_count = 0
     open_total = 0
@@ -137,4 +136,3 @@ def warm() -> None:
     worker_latency(miss, pi, loads, loads == 0, 0, 0.25, np.zeros(2), np.ones(3), np.empty(2),
                    np.empty(2))
     join(miss[0], pi)
-
