@@ -86,6 +86,11 @@ def bench(
     engine_cost: Annotated[bool, typer.Option(
         "--engine-cost", help="Measure decode step time vs distinct experts on the running"
         " decode workers and fit the simulator's cost model.")] = False,
+    another_pass: Annotated[bool, typer.Option(
+        "--another-pass", help="--engine-cost: measure again, on prompts no earlier pass sent,"
+        " and fit over every pass in --result-dir; prints how far the engine drifted since"
+        " the first. A pass before a bench and one after it bracket the bench's engine speed."
+        )] = False,
     replay: Annotated[list[Path] | None, typer.Option(
         help="--simulate: replay the live run saved in this results folder (repeatable: two"
         " or more runs also give the live run-to-run spread) with its arrivals, prompts"
@@ -104,6 +109,9 @@ def bench(
     options = policy_config(policy_options)
     if replay and not simulate:
         raise EldrError("--replay simulates a live run: add --simulate")
+    if another_pass and not engine_cost:
+        raise EldrError("--another-pass adds a pass to an engine-cost measurement: add"
+                        " --engine-cost")
     if simulate and replay:
         _replay(replay, data, store, cost, result_dir, seed, prompts,
                 tuple(worker_cores.split("|")) if worker_cores else None)
@@ -111,7 +119,7 @@ def bench(
         _simulate(data, store, names, request_rate, prefill, decode, duration, cost or "gpu",
                   output_tokens, result_dir, seed, locality_blend, locality_reference, options)
     elif engine_cost:
-        _engine_cost(url, prompts_path, result_dir, seed)
+        _engine_cost(url, prompts_path, result_dir, seed, another_pass)
     else:
         _live(url, names, prompts_path, num_prompts, _live_rates(request_rate), max_concurrency,
               max_tokens, rounds, result_dir, seed, options)
@@ -155,24 +163,41 @@ def _live(url: str, policies: tuple[str, ...], prompts: Path, num_prompts: int,
     typer.echo(f"results: {result_dir}")
 
 
-def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
+def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int,
+                 another_pass: bool) -> None:
     import asyncio
+    from datetime import datetime, timezone
 
     import httpx
 
     from stages.bench.admin import ProxyAdmin, decode_worker_urls
     from stages.bench.engine_cost import EngineCostConfig, format_engine_cost, measure_engine_cost
+    from stages.bench.engine_cost_passes import (
+        PASSES_FILE,
+        ProbePass,
+        check_same_deployment,
+        drift,
+        excluded_prompts,
+        fit_passes,
+        load_passes,
+        save_passes,
+    )
     from stages.bench.worker_cores import live_core_plan
 
     async def read_state() -> dict[str, object]:
         async with httpx.AsyncClient() as client:
             return await ProxyAdmin(client, url).state()
 
+    passes_path = result_dir / PASSES_FILE
+    # Read before measuring: a missing or foreign file is a user's mistake, said at once.
+    earlier = load_passes(passes_path) if another_pass else []
     state = asyncio.run(read_state())
     workers = decode_worker_urls(state)
     layers = _num_layers()
     if layers is None:
         raise EldrError("no artifact to read the model's MoE layer count from; run `eldr fit`")
+    if earlier:
+        check_same_deployment(earlier[0], workers, layers)
     # Workers of a local `eldr serve` run on its core plan; the measured one shares its core
     # with the others bound there.
     listed = state.get("prefill_workers")
@@ -182,19 +207,38 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int) -> None:
     )
     groups = live_core_plan(len(prefill_urls), len(workers)).decode_groups
     sharing = tuple(groups.count(g) for g in groups)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     # Four batch sizes x (one domain, all domains), every worker at once, after a warm-up
     # batch, bracket the curve and the batches it runs live (~6 a worker in the demo) in ~4
     # minutes on a CPU; prefill is timed on the prefill workers, one prompt at a time (a few
-    # seconds).
+    # seconds). A later pass draws other batches (its own seed) from the prompts not yet sent.
     result = measure_engine_cost(EngineCostConfig(
-        worker_urls=workers, prompts_path=prompts, num_layers=layers, seed=seed,
-        batch_sizes=(2, 4, 6, 8), domain_mixes=(1, 0), repeats=1, max_tokens=32,
-        prefill_probes=8 if prefill_urls else 0, prefill_urls=prefill_urls,
-        core_sharing=sharing,
+        worker_urls=workers, prompts_path=prompts, num_layers=layers,
+        seed=seed + len(earlier), batch_sizes=(2, 4, 6, 8), domain_mixes=(1, 0), repeats=1,
+        max_tokens=32, prefill_probes=8 if prefill_urls else 0, prefill_urls=prefill_urls,
+        core_sharing=sharing, exclude_prompts=excluded_prompts(earlier),
     ))
     typer.echo(format_engine_cost(result))
+    passes = [*earlier, ProbePass.of(result, started, workers, sharing)]
+    if earlier:
+        moved = drift(passes[0], passes[-1])
+        typer.echo(f"pass {len(passes)} against pass 1 ({passes[0].started}): {moved.describe()}"
+                   " of what pass 1's fit predicts at this pass's batches")
+        if moved.large:
+            typer.echo("warning: the engine ran at another speed than in pass 1; the fit below"
+                       " averages the passes, and a simulation on it is only as close to a live"
+                       " run as the engine's speed during that run", err=True)
+        result = fit_passes(passes)
+        c = result.model
+        typer.echo(
+            f"fit over {len(passes)} passes ({len(result.measurements)} batches): step ="
+            f" {c.base_s * 1e3:.3f} ms + {c.per_token_s * 1e3:.4f} ms x batch + {c.num_layers}"
+            f" x {c.per_expert_s * 1e3:.4f} ms x experts/L (R^2 {result.quality['r2']:.3f});"
+            f" prefill {c.prefill_base_s * 1e3:.2f} ms + {c.prefill_per_token_s * 1e3:.4f} ms"
+            " x tokens")
     result_dir.mkdir(parents=True, exist_ok=True)
     path = result_dir / "cost-model.json"
+    save_passes(passes_path, passes)
     result.model.save(path)
     typer.echo(f"cost model: {path} (use with `eldr bench --simulate --cost {path}`)")
 

@@ -245,7 +245,8 @@ class FakeEngine:
     per step while it is in the batch. Each step declares its time from ENGINE with
     distinct experts/layer = 1 + 3 x (distinct domains in the batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: CostModel = ENGINE) -> None:
+        self.engine = engine
         self.steps = 0.0
         self.active = 0.0
         self.seconds = 0.0
@@ -267,7 +268,7 @@ class FakeEngine:
             distinct = 1.0 + 3.0 * len(domains)
             self.steps += 1
             self.active += distinct * LAYERS
-            self.seconds += float(ENGINE.step_time(len(self.batch), distinct))
+            self.seconds += float(self.engine.step_time(len(self.batch), distinct))
             for rid, (domain, queue, left) in list(self.batch.items()):
                 queue.put_nowait("tok")
                 if left == 1:

@@ -356,3 +356,16 @@ def test_a_replayed_run_finds_the_artifacts_of_its_own_home(tmp_path, monkeypatc
     assert store_beside(tmp_path / "run1" / "results") == tmp_path / "run1" / "artifacts"
     # A results folder whose home has no store: the default one (ELDR_HOME's).
     assert store_beside(tmp_path / "run2" / "results") == tmp_path / "default-home" / "artifacts"
+
+
+def test_cost_level_prices_the_live_steps_at_their_own_batch_and_experts() -> None:
+    from stages.bench.replay_run import cost_level
+
+    # 12 requests of 12 tokens: 132 decode tokens over 44 steps, a batch of 3; COST's step at
+    # batch 3 and 4 experts per layer is 10 + 3 + 2 x 2 x 4 = 29 ms.
+    live = {"rr": {"decode_steps": 44.0, "total_output_tokens": 144.0, "completed": 12.0,
+                   "distinct_experts_per_layer": 4.0, "mean_itl_ms": 29.0},
+            "jsq": {"decode_steps": 44.0, "total_output_tokens": 144.0, "completed": 12.0,
+                    "distinct_experts_per_layer": 4.0, "mean_itl_ms": 58.0},
+            "p2c": {"mean_itl_ms": 30.0}}  # no worker counters: not priced
+    assert cost_level(live, COST) == pytest.approx({"rr": 1.0, "jsq": 0.5})

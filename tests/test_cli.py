@@ -359,3 +359,14 @@ def test_serve_checks_every_option_before_any_worker_starts(
     assert isinstance(result.exception, EldrError), result.output
     assert message.format(**values) in str(result.exception)
     assert started == []
+
+
+def test_another_engine_cost_pass_needs_a_first_one(tmp_path: Path) -> None:
+    alone = run_eldr("bench", "--another-pass", home=tmp_path)
+    assert alone.returncode == 2 and "add --engine-cost" in alone.stderr
+    # Said before any proxy is asked: none runs at this address.
+    first = run_eldr("bench", "--engine-cost", "--another-pass", "--url",
+                     f"http://127.0.0.1:{free_port()}", home=tmp_path)
+    assert first.returncode == 2
+    assert "run `eldr bench --engine-cost` first" in first.stderr
+    assert "Traceback" not in alone.stderr + first.stderr

@@ -301,6 +301,7 @@ def test_results_files_carry_every_key_of_vllms_own_benchmark(
 
 def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) -> None:
     from stages.bench.engine_cost import EngineCostConfig, measure_engine_cost
+    from stages.bench.engine_cost_passes import ProbePass, drift, excluded_prompts, fit_passes
     from stages.paths import EVALUATION_PROMPTS
 
     workers = tuple(deployment.cluster.decode_urls[:1])  # type: ignore[attr-defined]
@@ -320,6 +321,20 @@ def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) ->
     assert mixed.batch_size == 4 and mixed.domains > 1
     assert mixed.sample.distinct > 2.0 and mixed.sample.batch > 1
     assert result.model.num_layers == 4
+
+    # A second pass, as `--another-pass` runs it: other prompts, its drift, one fit over both.
+    first = ProbePass.of(result, "first", workers, (1,))
+    again = measure_engine_cost(EngineCostConfig(
+        worker_urls=workers, prompts_path=EVALUATION_PROMPTS, num_layers=4, batch_sizes=(1, 4),
+        domain_mixes=(1, 0), repeats=1, max_tokens=8, prefill_probes=0, model="tiny", seed=1,
+        warmup=False, exclude_prompts=excluded_prompts([first]),
+    ))
+    second = ProbePass.of(again, "second", workers, (1,))
+    assert not set(first.prompt_ids) & set(second.prompt_ids)
+    moved = drift(first, second)
+    assert 0.5 < moved.step < 2.0  # the same engine a few seconds later
+    both = fit_passes([first, second])
+    assert len(both.measurements) == len(result.measurements) + len(again.measurements)
 
 
 def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployment) -> None:

@@ -79,6 +79,9 @@ class EngineCostConfig:
     # the same ones later (the demo's first probe point: 113 ms a step against 67 ms in another
     # run), which a fit of a dozen points takes for a slope.
     warmup: bool = True
+    # Prompts an earlier pass sent (``engine_cost_passes``): left out, so this pass finds none
+    # of its prompts in the workers' prefix cache.
+    exclude_prompts: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.worker_urls:
@@ -115,6 +118,7 @@ class EngineCostResult:
     quality: dict[str, float]  # of the fit to the counted steps, before the overhead
     prefill_points: tuple[tuple[int, float], ...] = field(default=())  # (tokens, seconds)
     step_overhead_s: float = 0.0  # in model.base_s: the client's step less the counted one
+    prompt_ids: tuple[str, ...] = ()  # every prompt sent, warm-up included
 
     @property
     def samples(self) -> tuple[CostSample, ...]:
@@ -146,12 +150,14 @@ class _Measurer:
             max_tokens=config.max_tokens, model=config.model, timeout_s=config.timeout_s
         )
         self.counter = 0
+        self.sent: list[str] = []
 
     async def _send(
         self, url: str, prompts: Sequence[Prompt], settings: CompletionSettings
     ) -> list[RequestRecord]:
         origin = time.perf_counter()
         self.counter += 1
+        self.sent += [p.id for p in prompts]
         calls = [
             stream_completion(
                 self.client,
@@ -244,7 +250,10 @@ async def _warm_up(
 
 
 async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResult:
-    prompts = load_prompts(config.prompts_path)
+    prompts = [p for p in load_prompts(config.prompts_path) if p.id not in config.exclude_prompts]
+    if not prompts:
+        raise EldrError(f"every prompt in {config.prompts_path} was sent by an earlier pass;"
+                        " give more prompts")
     by_domain: dict[str, list[Prompt]] = {}
     for p in prompts:
         by_domain.setdefault(p.domain, []).append(p)
@@ -255,13 +264,9 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
         measurer = _Measurer(config, client)
         if config.warmup:
             await _warm_up(measurer, config, prompts, by_domain, rng)
-        if config.prefill_urls and config.prefill_probes > 0:
+        if config.prefill_probes > 0:
             probe = _prefill_prompts(prompts, config.prefill_probes)
-            for url in config.prefill_urls:
-                prefill_points += await measurer.prefill(url, probe)
-        if config.prefill_probes > 0 and not config.prefill_urls:
-            probe = _prefill_prompts(prompts, config.prefill_probes)
-            for url in config.worker_urls:
+            for url in config.prefill_urls or config.worker_urls:
                 prefill_points += await measurer.prefill(url, probe)
         for _ in range(config.repeats):
             for size in config.batch_sizes:
@@ -271,21 +276,33 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
                         measurer.batch(url, batch, len({p.domain for p in batch}))
                         for url, batch in zip(config.worker_urls, batches, strict=True)
                     ))
+    sharing = dict(zip(config.worker_urls, config.core_sharing or (1,) * len(config.worker_urls),
+                       strict=True))
+    result = fit_measurements(measurements, prefill_points, config.num_layers, sharing)
+    return replace(result, prompt_ids=tuple(dict.fromkeys(measurer.sent)))
+
+
+def fit_measurements(
+    measurements: Sequence[Measurement],
+    prefill_points: Sequence[tuple[int, float]],
+    num_layers: int,
+    core_sharing: dict[str, int],
+) -> EngineCostResult:
+    """One cost model over measured batches (of one pass or several), with the client's
+    overhead in its base and prefill fitted from the timed prompts (the default without)."""
     prefill_kwargs: dict[str, float] = {}
     if len({t for t, _ in prefill_points}) >= 2:
         tokens, seconds = zip(*prefill_points, strict=True)
         base, per_token = fit_prefill(tokens, seconds)
         prefill_kwargs = {"prefill_base_s": base, "prefill_per_token_s": per_token}
-    sharing = dict(zip(config.worker_urls, config.core_sharing or (1,) * len(config.worker_urls),
-                       strict=True))
     # One model at one share: a worker that shared its core with fewer others is brought to
     # the most shared one's speed (each holds 1/n of its core).
-    most = max(sharing.values())
-    scale = {url: most / n for url, n in sharing.items()}
+    most = max(core_sharing.values())
+    scale = {url: most / n for url, n in core_sharing.items()}
     samples = [
         replace(m.sample, step_s=m.sample.step_s * scale[m.worker_url]) for m in measurements
     ]
-    forward = fit_cost_model(samples, config.num_layers, core_sharing=most, **prefill_kwargs)
+    forward = fit_cost_model(samples, num_layers, core_sharing=most, **prefill_kwargs)
     gaps = [
         (m.client_step_s - m.sample.step_s) * scale[m.worker_url]
         for m in measurements

@@ -10,6 +10,7 @@ told a cost model, so neither are the simulated policies (eldr-union runs on its
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from stages import paths
 from stages.bench.replay import LiveRun, load_live_runs, replay_workloads
 from stages.bench.results import PolicyResult, rate_label
 from stages.bench.simulator import SimConfig, simulate_segments
-from stages.bench.validation import Compared
+from stages.bench.validation import Compared, Metrics
 from stages.bench.worker_cores import CorePlan, live_core_plan
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, load_for_serving
@@ -100,10 +101,35 @@ def _header(run: LiveRun, cores: CorePlan, cost: CostModel) -> str:
     )
 
 
+def cost_level(live: Metrics, cost: CostModel) -> dict[str, float]:
+    """Per policy, the cost model's step at the live run's mean decode batch and distinct
+    experts, over the live mean gap between tokens: how well the measured curve priced the
+    steps this run's engine actually took, before any routing or queueing is simulated."""
+    out = {}
+    for name, m in live.items():
+        steps, itl = m.get("decode_steps", 0.0), m.get("mean_itl_ms", math.nan)
+        distinct = m.get("distinct_experts_per_layer", math.nan)
+        decode_tokens = m.get("total_output_tokens", 0.0) - m.get("completed", 0.0)
+        if steps > 0 and decode_tokens > 0 and math.isfinite(itl) and math.isfinite(distinct):
+            step = float(cost.step_time(decode_tokens / steps, distinct))
+            out[name] = step * 1000.0 / itl
+    return out
+
+
 def _notes(
     run: LiveRun, cores: CorePlan, arrays: SignatureArrays, cost: CostModel
 ) -> list[str]:
     notes = []
+    level = cost_level(run.metrics, cost)
+    if level:
+        values = sorted(level.values())
+        notes.append(
+            f"{run.result_dir}: the cost model prices the live steps at {values[0]:.2f}-"
+            f"{values[-1]:.2f} of their mean gap between tokens (median"
+            f" {float(np.median(values)):.2f}; at each policy's live mean batch and experts):"
+            " the engine speed the replay starts from. TPOT moves further than a level error"
+            " where requests queue for batch slots (a slower step holds more of them at once)"
+        )
     groups = cores.decode_groups
     sharing = max(groups.count(g) for g in groups)
     if cost.core_sharing != sharing:
