@@ -118,3 +118,37 @@ def test_a_pass_with_every_prompt_already_sent_says_so(tmp_path: Path) -> None:
             worker_urls=("http://127.0.0.1:9",), prompts_path=prompts, num_layers=LAYERS,
             exclude_prompts=every,
         ))
+
+
+def test_the_cli_adds_a_pass_prints_the_drift_and_refits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from typer.testing import CliRunner
+
+    import eldr_cli.bench_cmd as bench_cmd
+    from eldr_cli.app import app
+    from stages.routing.cost_model import CostModel
+
+    monkeypatch.setattr(bench_cmd, "_num_layers", lambda: LAYERS)
+    engine = FakeEngine()
+    with serve(engine.app) as worker:
+        async def state(request):  # type: ignore[no-untyped-def]
+            return JSONResponse({"decode_workers": [{"index": 0, "url": worker}],
+                                 "prefill_workers": []})
+
+        proxy = Starlette(routes=[Route("/admin/state", state)])
+        with serve(proxy) as url:
+            argv = ["bench", "--engine-cost", "--url", url, "--prompts", str(_prompts(tmp_path)),
+                    "--result-dir", str(tmp_path / "results")]
+            first = CliRunner().invoke(app, argv)
+            assert first.exit_code == 0, first.output
+            second = CliRunner().invoke(app, [*argv, "--another-pass"])
+            assert second.exit_code == 0, second.output
+    assert "pass 2 against pass 1" in second.output and "fit over 2 passes" in second.output
+    passes = load_passes(tmp_path / "results" / PASSES_FILE)
+    assert len(passes) == 2 and not set(passes[0].prompt_ids) & set(passes[1].prompt_ids)
+    saved = CostModel.load(tmp_path / "results" / "cost-model.json")
+    assert saved == fit_passes(passes).model
