@@ -230,10 +230,12 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int,
                        " run as the engine's speed during that run", err=True)
         result = fit_passes(passes)
         c = result.model
+        counted = c.base_s - result.step_overhead_s
         typer.echo(
             f"fit over {len(passes)} passes ({len(result.measurements)} batches): step ="
-            f" {c.base_s * 1e3:.3f} ms + {c.per_token_s * 1e3:.4f} ms x batch + {c.num_layers}"
-            f" x {c.per_expert_s * 1e3:.4f} ms x experts/L (R^2 {result.quality['r2']:.3f});"
+            f" {counted * 1e3:.3f} ms + {c.per_token_s * 1e3:.4f} ms x batch + {c.num_layers}"
+            f" x {c.per_expert_s * 1e3:.4f} ms x experts/L (R^2 {result.quality['r2']:.3f}),"
+            f" plus {result.step_overhead_s * 1e3:.2f} ms a step outside the counted one;"
             f" prefill {c.prefill_base_s * 1e3:.2f} ms + {c.prefill_per_token_s * 1e3:.4f} ms"
             " x tokens")
     result_dir.mkdir(parents=True, exist_ok=True)

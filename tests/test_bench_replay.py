@@ -369,3 +369,21 @@ def test_cost_level_prices_the_live_steps_at_their_own_batch_and_experts() -> No
                     "distinct_experts_per_layer": 4.0, "mean_itl_ms": 58.0},
             "p2c": {"mean_itl_ms": 30.0}}  # no worker counters: not priced
     assert cost_level(live, COST) == pytest.approx({"rr": 1.0, "jsq": 0.5})
+
+
+def test_engine_pace_is_shown_beside_the_checks_never_judged() -> None:
+    from stages.bench.replay_run import engine_pace
+    from stages.bench.validation import format_validation, validation_json
+
+    # jsq's live steps took twice what the model prices, the median policy's 1.25x.
+    pace = engine_pace({"rr": 1.0, "p2c": 0.8, "jsq": 0.5})
+    assert pace == pytest.approx({"rr": 0.8, "p2c": 1.0, "jsq": 1.6})
+    live = {p: {"p50_tpot_ms": 100.0, "p99_tpot_ms": 100.0, "distinct_experts_per_layer": 4.0}
+            for p in pace}
+    (run,) = validate([Compared("a", "a", live, live, pace)])
+    assert not run.failures()
+    text = format_validation([run])
+    assert "live engine" in text and "+60.0%" in text and "-20.0%" in text
+    assert validation_json([run])["runs"][0]["engine_pace"]["jsq"] == pytest.approx(1.6)
+    (bare,) = validate([Compared("a", "a", live, live)])  # no counters: no column
+    assert "live engine" not in format_validation([bare])

@@ -11,6 +11,7 @@ told a cost model, so neither are the simulated policies (eldr-union runs on its
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,15 @@ def cost_level(live: Metrics, cost: CostModel) -> dict[str, float]:
     return out
 
 
+def engine_pace(level: Mapping[str, float]) -> dict[str, float]:
+    """Per policy, how slow the engine ran in its rounds against the median policy's: the
+    median cost level over its own (``cost_level``; a lower level is a slower live step)."""
+    if not level:
+        return {}
+    median = float(np.median(list(level.values())))
+    return {name: median / value for name, value in level.items() if value > 0}
+
+
 def _notes(
     run: LiveRun, cores: CorePlan, arrays: SignatureArrays, cost: CostModel
 ) -> list[str]:
@@ -184,6 +194,7 @@ def replay_run(
             header=_header(run, cores, cost),
             live=run.metrics,
             sim={name: r.metrics for name, r in results.items()},
+            engine_pace=engine_pace(cost_level(run.metrics, cost)),
         )
         notes = tuple(_notes(run, cores, arrays, cost))
         out.append(Replayed(run, cores, results, compared, notes))

@@ -2,14 +2,18 @@
 
 TPOT p50 and p99 must lie within 10% of live, or within the live run-to-run spread of that
 policy (max - min over the runs compared, over their mean) when that is larger; distinct
-experts per layer per decode step within 5%. ITL and TTFT are shown beside them, not judged.
+experts per layer per decode step within 5%. ITL and TTFT are shown beside them, not judged,
+and so is each policy's live engine pace: how slow the engine ran in that policy's rounds
+against the run's median policy, its live steps priced by the replay's cost model. A shared VM
+drifts within one bench, and a policy whose rounds fell on a fast or slow stretch shows it here
+as plainly as in its TPOT.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Metrics = Mapping[str, Mapping[str, float]]  # policy -> metric key -> value
 
@@ -57,6 +61,9 @@ class Compared:
     header: str  # what ran, for the table's heading
     live: Metrics
     sim: Metrics
+    # Per policy: live step time over the cost model's price of it, over the run's median
+    # policy's (> 1: its rounds ran on a slower engine). Empty when the run has no counters.
+    engine_pace: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class RunCheck:
     name: str
     header: str
     checks: dict[str, dict[str, Check]]  # policy -> metric key -> check
+    engine_pace: Mapping[str, float] = field(default_factory=dict)
 
     def failures(self) -> list[tuple[str, str]]:
         return [
@@ -107,7 +115,7 @@ def validate(runs: Sequence[Compared]) -> list[RunCheck]:
                     tolerance,
                 )
             checks[policy] = row
-        out.append(RunCheck(run.name, run.header, checks))
+        out.append(RunCheck(run.name, run.header, checks, run.engine_pace))
     return out
 
 
@@ -124,9 +132,10 @@ def format_run_check(run: RunCheck) -> str:
         max(len(m.label + " sim/live"), *(len(c[i]) for c in cells.values()))
         for i, m in enumerate(METRICS)
     ]
+    pace_label = "live engine"
     head = f"{'policy':<{width}}  " + "  ".join(
         f"{m.label + ' sim/live':>{w}}" for m, w in zip(METRICS, widths, strict=True)
-    )
+    ) + (f"  {pace_label}" if run.engine_pace else "")
     lines = [run.header, head + "  verdict", "-" * (len(head) + 9)]
     for policy, row in run.checks.items():
         failed = [m for m in METRICS if row[m.key].ok is False]
@@ -137,9 +146,15 @@ def format_run_check(run: RunCheck) -> str:
         lines.append(
             f"{policy:<{width}}  "
             + "  ".join(f"{c:>{w}}" for c, w in zip(cells[policy], widths, strict=True))
+            + (f"  {_pace(run.engine_pace.get(policy)):>{len(pace_label)}}"
+               if run.engine_pace else "")
             + f"  {verdict}"
         )
     return "\n".join(lines)
+
+
+def _pace(pace: float | None) -> str:
+    return "-" if pace is None or not math.isfinite(pace) else f"{(pace - 1) * 100:+.1f}%"
 
 
 def format_validation(runs: Sequence[RunCheck]) -> str:
@@ -157,9 +172,13 @@ def format_validation(runs: Sequence[RunCheck]) -> str:
         if not failures
         else f"validation failed: {failures} of {total} checks out of tolerance (marked !)"
     )
+    pace = ("\nlive engine: how much slower (+) or faster (-) the engine ran in the policy's"
+            " rounds than in the run's median policy's (its live steps over the cost model's"
+            " price of them); the replay runs every policy on one engine speed"
+            if any(r.engine_pace for r in runs) else "")
     return "\n\n".join(
         [*(format_run_check(r) for r in runs),
-         f"simulated/live per metric, ratio after; judged: {judged}\n{verdict}"]
+         f"simulated/live per metric, ratio after; judged: {judged}{pace}\n{verdict}"]
     )
 
 
@@ -177,6 +196,7 @@ def validation_json(runs: Sequence[RunCheck]) -> dict[str, object]:
             {
                 "name": r.name,
                 "header": r.header,
+                "engine_pace": {p: number(v) for p, v in r.engine_pace.items()},
                 "policies": {
                     policy: {
                         key: {
