@@ -225,9 +225,9 @@ def _engine_cost(url: str, prompts: Path, result_dir: Path, seed: int,
         typer.echo(f"pass {len(passes)} against pass 1 ({passes[0].started}): {moved.describe()}"
                    " of what pass 1's fit predicts at this pass's batches")
         if moved.large:
-            typer.echo("warning: the engine ran at another speed than in pass 1; the fit below"
-                       " averages the passes, and a simulation on it is only as close to a live"
-                       " run as the engine's speed during that run", err=True)
+            typer.echo("warning: the engine's decode steps ran at another speed than in pass"
+                       " 1; the fit below averages the passes, and a simulation on it is only"
+                       " as close to a live run as the engine's speed during that run", err=True)
         result = fit_passes(passes)
         c = result.model
         counted = c.base_s - result.step_overhead_s
