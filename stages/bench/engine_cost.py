@@ -282,6 +282,13 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
     return replace(result, prompt_ids=tuple(dict.fromkeys(measurer.sent)))
 
 
+def shared_core_scale(core_sharing: dict[str, int]) -> dict[str, float]:
+    """Per worker, the factor that brings its step times to the most shared worker's speed:
+    one model at one share (each worker holds 1/n of its core)."""
+    most = max(core_sharing.values())
+    return {url: most / n for url, n in core_sharing.items()}
+
+
 def fit_measurements(
     measurements: Sequence[Measurement],
     prefill_points: Sequence[tuple[int, float]],
@@ -295,10 +302,8 @@ def fit_measurements(
         tokens, seconds = zip(*prefill_points, strict=True)
         base, per_token = fit_prefill(tokens, seconds)
         prefill_kwargs = {"prefill_base_s": base, "prefill_per_token_s": per_token}
-    # One model at one share: a worker that shared its core with fewer others is brought to
-    # the most shared one's speed (each holds 1/n of its core).
+    scale = shared_core_scale(core_sharing)
     most = max(core_sharing.values())
-    scale = {url: most / n for url, n in core_sharing.items()}
     samples = [
         replace(m.sample, step_s=m.sample.step_s * scale[m.worker_url]) for m in measurements
     ]

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import orjson
 
-from stages.bench.engine_cost import EngineCostResult, Measurement, fit_measurements
+from stages.bench.engine_cost import (
+    EngineCostResult,
+    Measurement,
+    fit_measurements,
+    shared_core_scale,
+)
 from stages.errors import EldrError
-from stages.routing.cost_model import CostModel, CostSample, fit_cost_model, fit_prefill
+from stages.routing.cost_model import CostSample
 
 PASSES_FILE = "engine-cost-passes.json"
 FORMAT = 1
@@ -48,9 +53,7 @@ class ProbePass:
                    result.measurements, result.prefill_points, result.prompt_ids)
 
     def to_json(self) -> dict[str, object]:
-        doc = asdict(self)
-        doc["prefill_points"] = [list(p) for p in self.prefill_points]
-        return doc
+        return asdict(self)  # orjson writes the tuples as lists
 
     @classmethod
     def from_json(cls, doc: dict) -> ProbePass:
@@ -149,30 +152,18 @@ def _signed(ratio: float) -> str:
     return f"{(ratio - 1) * 100:+.1f}%"
 
 
-def _forward_fit(p: ProbePass) -> CostModel:
-    most = max(p.core_sharing)
-    scale = {url: most / n for url, n in zip(p.workers, p.core_sharing, strict=True)}
-    return fit_cost_model([_scaled(m, scale) for m in p.measurements], p.num_layers)
-
-
-def _scaled(m: Measurement, scale: dict[str, float]) -> CostSample:
-    return CostSample(m.sample.batch, m.sample.distinct, m.sample.step_s * scale[m.worker_url],
-                      m.sample.steps)
-
-
 def drift(earlier: ProbePass, later: ProbePass) -> Drift:
-    fit = _forward_fit(earlier)
-    most = max(later.core_sharing)
-    scale = {url: most / n for url, n in zip(later.workers, later.core_sharing, strict=True)}
+    fitted = fit_passes([earlier])
+    # The counted forward: the fit's base less the client's overhead, as the steps were timed.
+    forward = replace(fitted.model, base_s=fitted.model.base_s - fitted.step_overhead_s)
+    scale = shared_core_scale(dict(zip(later.workers, later.core_sharing, strict=True)))
     ratios = np.array([
-        s.step_s / float(fit.step_time(s.batch, s.distinct))
-        for s in (_scaled(m, scale) for m in later.measurements)
+        m.sample.step_s * scale[m.worker_url]
+        / float(forward.step_time(m.sample.batch, m.sample.distinct))
+        for m in later.measurements
     ])
     prefill = math.nan
-    if earlier.prefill_points and later.prefill_points:
-        tokens, seconds = zip(*earlier.prefill_points, strict=True)
-        if len(set(tokens)) >= 2:
-            base, per_token = fit_prefill(tokens, seconds)
-            prefill = float(np.median([s / (base + per_token * t)
-                                       for t, s in later.prefill_points]))
+    if later.prefill_points and len({t for t, _ in earlier.prefill_points}) >= 2:
+        prefill = float(np.median([s / float(forward.prefill_time(t))
+                                   for t, s in later.prefill_points]))
     return Drift(float(np.median(ratios)), (float(ratios.min()), float(ratios.max())), prefill)
