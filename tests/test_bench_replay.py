@@ -221,6 +221,7 @@ def test_replay_reads_back_arrivals_prompts_lengths_cap_and_workers(arrays, tmp_
     # Scheduled arrival = send - client-side queueing, from each round's start.
     assert segments[1].arrival_s == pytest.approx(np.arange(5) * 0.05)
     assert list(segments[0].output_tokens) == [12] * 5
+    assert segments[0].tpot_s == pytest.approx([0.1] * 5)  # (1.3 - 0.2) / 11
     assert run.metrics["rr"]["p50_tpot_ms"] == 100.0
     workloads = replay_workloads(run, arrays, None)
     assert list(workloads["rr"][1].rows) == [5, 6, 7, 8, 9]
@@ -340,6 +341,8 @@ def test_cli_replays_a_live_run_and_saves_the_validation(arrays, tmp_path) -> No
     doc = orjson.loads((out / "replay-validation.json").read_bytes())
     assert set(doc["runs"][0]["policies"]) == {"rr", "jsq"}
     assert doc["runs"][0]["policies"]["rr"]["p50_tpot_ms"]["live"] == 100.0
+    assert "round by round, simulated over live TPOT p50 scatters" in result.output
+    assert doc["runs"][0]["round_scatter"]["rounds"] == 4  # two policies, two rounds each
     assert (out / "replay-validation.png").stat().st_size > 0
     missing = CliRunner().invoke(app, ["bench", "--replay", str(tmp_path / "live")])
     assert isinstance(missing.exception, EldrError)

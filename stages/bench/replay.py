@@ -43,6 +43,7 @@ class LiveSegment:
     prompt_tokens: np.ndarray  # int64, as the live run counted them (0 for a failure)
     output_tokens: np.ndarray  # int64
     success: np.ndarray  # bool
+    tpot_s: np.ndarray  # float64, as live; NaN for a failure, one token, or older results
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,8 @@ def _segments(
         key: doc.get(key)
         for key in ("start_times", "queue_times", "input_lens", "output_lens", "errors")
     }
+    timing = {key: doc.get(key) for key in ("latencies", "ttfts")}
+    timed = all(isinstance(v, list) and len(v) == len(ids) for v in timing.values())
     total = sum(s.stop - s.start for s in plan)
     bad = [k for k, v in columns.items() if not isinstance(v, list) or len(v) != total]
     if bad or len(ids) != total:
@@ -267,6 +270,12 @@ def _segments(
         queue = np.asarray(columns["queue_times"][part], dtype=np.float64)
         success = np.array([not e for e in columns["errors"][part]], dtype=bool)
         output = np.asarray(columns["output_lens"][part], dtype=np.int64)
+        tpot = np.full(output.size, np.nan)
+        if timed:
+            latency = np.asarray(timing["latencies"][part], dtype=np.float64)
+            ttft = np.asarray(timing["ttfts"][part], dtype=np.float64)
+            ok = success & (output > 1)
+            tpot[ok] = (latency[ok] - ttft[ok]) / (output[ok] - 1)
         out.append(
             LiveSegment(
                 round=seg.round,
@@ -277,6 +286,7 @@ def _segments(
                 prompt_tokens=np.asarray(columns["input_lens"][part], dtype=np.int64),
                 output_tokens=np.where(success, output, max_tokens),
                 success=success,
+                tpot_s=tpot,
             )
         )
     return tuple(out)

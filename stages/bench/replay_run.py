@@ -20,6 +20,7 @@ import numpy as np
 from stages import paths
 from stages.bench.replay import LiveRun, load_live_runs, replay_workloads
 from stages.bench.results import PolicyResult, rate_label
+from stages.bench.round_scatter import round_scatter, simulated_round_tpot
 from stages.bench.simulator import SimConfig, simulate_segments
 from stages.bench.validation import Compared, Metrics
 from stages.bench.worker_cores import CorePlan, live_core_plan
@@ -195,6 +196,10 @@ def replay_run(
             live=run.metrics,
             sim={name: r.metrics for name, r in results.items()},
             engine_pace=engine_pace(cost_level(run.metrics, cost)),
+            round_scatter=round_scatter(
+                {name: [s.tpot_s for s in segs] for name, segs in run.segments.items()},
+                {name: simulated_round_tpot(r.table, r.round_sizes) for name, r in results.items()},
+            ),
         )
         notes = tuple(_notes(run, cores, arrays, cost))
         out.append(Replayed(run, cores, results, compared, notes))

@@ -31,6 +31,8 @@ class PolicyResult:
     metrics: dict[str, float]  # metrics.summarize() keys, plus EXPERT_KEYS when known
     table: RequestTable
     records: tuple[RequestRecord, ...] = ()  # per request, load generator only
+    # The table's rows per segment (round), in order; simulator only (a replay compares them).
+    round_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -466,7 +466,7 @@ def _policy_result(name: str, outcomes: Sequence[_Outcome], num_layers: int) -> 
         "mean_decode_step_ms": 1000.0 * float(seconds.mean()) if steps else nan,
         "mean_decode_batch": float(batch.mean()) if batch.size else nan,
     }
-    return PolicyResult(name, metrics, table)
+    return PolicyResult(name, metrics, table, round_sizes=tuple(len(t) for t in tables))
 
 
 def _check_inputs(config: SimConfig, arrays: SignatureArrays, artifact: object | None) -> None:

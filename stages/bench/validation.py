@@ -6,7 +6,8 @@ experts per layer per decode step within 5%. ITL and TTFT are shown beside them,
 and so is each policy's live engine pace: how slow the engine ran in that policy's rounds
 against the run's median policy, its live steps priced by the replay's cost model. A shared VM
 drifts within one bench, and a policy whose rounds fell on a fast or slow stretch shows it here
-as plainly as in its TPOT.
+as plainly as in its TPOT; the rounds' own scatter, simulated against live round by round,
+says how much of that no replay can know (``round_scatter``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from stages.bench.round_scatter import RoundScatter
 
 Metrics = Mapping[str, Mapping[str, float]]  # policy -> metric key -> value
 
@@ -64,6 +67,7 @@ class Compared:
     # Per policy: live step time over the cost model's price of it, over the run's median
     # policy's (> 1: its rounds ran on a slower engine). Empty when the run has no counters.
     engine_pace: Mapping[str, float] = field(default_factory=dict)
+    round_scatter: RoundScatter | None = None  # None: fewer than two rounds a policy
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class RunCheck:
     header: str
     checks: dict[str, dict[str, Check]]  # policy -> metric key -> check
     engine_pace: Mapping[str, float] = field(default_factory=dict)
+    round_scatter: RoundScatter | None = None
 
     def failures(self) -> list[tuple[str, str]]:
         return [
@@ -115,7 +120,7 @@ def validate(runs: Sequence[Compared]) -> list[RunCheck]:
                     tolerance,
                 )
             checks[policy] = row
-        out.append(RunCheck(run.name, run.header, checks, run.engine_pace))
+        out.append(RunCheck(run.name, run.header, checks, run.engine_pace, run.round_scatter))
     return out
 
 
@@ -150,6 +155,8 @@ def format_run_check(run: RunCheck) -> str:
                if run.engine_pace else "")
             + f"  {verdict}"
         )
+    if run.round_scatter is not None:
+        lines.append(run.round_scatter.describe())
     return "\n".join(lines)
 
 
@@ -197,6 +204,13 @@ def validation_json(runs: Sequence[RunCheck]) -> dict[str, object]:
                 "name": r.name,
                 "header": r.header,
                 "engine_pace": {p: number(v) for p, v in r.engine_pace.items()},
+                "round_scatter": None if r.round_scatter is None else {
+                    "sd": r.round_scatter.sd,
+                    "rounds": r.round_scatter.rounds,
+                    "policies": r.round_scatter.policies,
+                    "rounds_per_policy": r.round_scatter.rounds_per_policy,
+                    "per_policy": r.round_scatter.per_policy,
+                },
                 "policies": {
                     policy: {
                         key: {
