@@ -227,6 +227,23 @@ def test_replay_reads_back_arrivals_prompts_lengths_cap_and_workers(arrays, tmp_
     assert list(workloads["rr"][1].rows) == [5, 6, 7, 8, 9]
 
 
+def test_results_without_timings_replay_with_no_round_scatter(arrays, tmp_path) -> None:
+    from stages.bench.round_scatter import round_scatter
+
+    ids = [str(i) for i in arrays.ids[:10]]
+    _live_results(tmp_path, ids)
+    for name in ("rr", "jsq"):  # as a results file that kept no per-request timings
+        path = tmp_path / f"{name}-3qps.json"
+        data = orjson.loads(path.read_bytes())
+        del data["latencies"]
+        data["ttfts"] = data["ttfts"][:-1]  # garbled: one short
+        path.write_bytes(orjson.dumps(data))
+    (run,) = load_live_runs(tmp_path)
+    assert all(np.isnan(s.tpot_s).all() for segs in run.segments.values() for s in segs)
+    live = {name: [s.tpot_s for s in segs] for name, segs in run.segments.items()}
+    assert round_scatter(live, live) is None
+
+
 def test_replay_builds_each_round_on_its_recorded_policy_seed(arrays, tmp_path) -> None:
     ids = [str(i) for i in arrays.ids[:12]]
     _live_results(tmp_path / "new", ids, seed=4, rounds=3, policies=("random", "rr"))
