@@ -72,8 +72,18 @@ class RequestTable:
 
     def tpot_s(self) -> np.ndarray:
         """TPOT of every successful request with at least two output tokens."""
-        keep = self.success & (self.output_tokens > 1)
-        return (self.latency_s[keep] - self.ttft_s[keep]) / (self.output_tokens[keep] - 1)
+        tpot = request_tpot_s(self.success, self.output_tokens, self.ttft_s, self.latency_s)
+        return tpot[self.success & (self.output_tokens > 1)]
+
+
+def request_tpot_s(
+    success: np.ndarray, output_tokens: np.ndarray, ttft_s: np.ndarray, latency_s: np.ndarray
+) -> np.ndarray:
+    """Per request, in order: TPOT, or NaN for a failure or an answer of one token."""
+    keep = success & (output_tokens > 1)
+    tpot = np.full(success.size, np.nan)
+    tpot[keep] = (latency_s[keep] - ttft_s[keep]) / (output_tokens[keep] - 1)
+    return tpot
 
 
 def _percentile_key(p: float) -> str:

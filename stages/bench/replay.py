@@ -24,6 +24,7 @@ import orjson
 
 from stages import paths
 from stages.bench.loadgen import Segment, interleaved_plan
+from stages.bench.metrics import request_tpot_s
 from stages.bench.sim_workload import RoutingArtifact, Workload, workload_of
 from stages.errors import EldrError
 from stages.prompts import load_prompts, sample_prompts
@@ -270,12 +271,10 @@ def _segments(
         queue = np.asarray(columns["queue_times"][part], dtype=np.float64)
         success = np.array([not e for e in columns["errors"][part]], dtype=bool)
         output = np.asarray(columns["output_lens"][part], dtype=np.int64)
-        tpot = np.full(output.size, np.nan)
-        if timed:
-            latency = np.asarray(timing["latencies"][part], dtype=np.float64)
-            ttft = np.asarray(timing["ttfts"][part], dtype=np.float64)
-            ok = success & (output > 1)
-            tpot[ok] = (latency[ok] - ttft[ok]) / (output[ok] - 1)
+        tpot = request_tpot_s(
+            success, output, np.asarray(timing["ttfts"][part], dtype=np.float64),
+            np.asarray(timing["latencies"][part], dtype=np.float64),
+        ) if timed else np.full(output.size, np.nan)
         out.append(
             LiveSegment(
                 round=seg.round,

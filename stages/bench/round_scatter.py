@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.bench.metrics import RequestTable
+from stages.bench.metrics import RequestTable, request_tpot_s
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,7 @@ def round_medians(tpot_s: Sequence[np.ndarray]) -> np.ndarray:
 
 def simulated_round_tpot(table: RequestTable, sizes: Sequence[int]) -> list[np.ndarray]:
     """A simulated policy's TPOT per round (NaN where a request failed or had one token)."""
-    keep = table.success & (table.output_tokens > 1)
-    tpot = np.full(len(table), np.nan)
-    tpot[keep] = (table.latency_s[keep] - table.ttft_s[keep]) / (table.output_tokens[keep] - 1)
+    tpot = request_tpot_s(table.success, table.output_tokens, table.ttft_s, table.latency_s)
     bounds = np.cumsum([0, *sizes])
     return [tpot[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from stages.bench.round_scatter import RoundScatter
 
@@ -204,13 +204,9 @@ def validation_json(runs: Sequence[RunCheck]) -> dict[str, object]:
                 "name": r.name,
                 "header": r.header,
                 "engine_pace": {p: number(v) for p, v in r.engine_pace.items()},
-                "round_scatter": None if r.round_scatter is None else {
-                    "sd": r.round_scatter.sd,
-                    "rounds": r.round_scatter.rounds,
-                    "policies": r.round_scatter.policies,
-                    "rounds_per_policy": r.round_scatter.rounds_per_policy,
-                    "per_policy": r.round_scatter.per_policy,
-                },
+                "round_scatter": None if r.round_scatter is None else (
+                    asdict(r.round_scatter) | {"per_policy": r.round_scatter.per_policy}
+                ),
                 "policies": {
                     policy: {
                         key: {
