@@ -324,6 +324,7 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
     identity = dataset.identity
     compared = []
     names = set()
+    shapes = []  # what each live run was, for the plot's title
     for folder in result_dirs:
         spec = cost or str(folder / "cost-model.json")
         if cost is None and not Path(spec).is_file():
@@ -337,14 +338,17 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
             for note in replayed.notes:
                 typer.echo(f"note: {note}")
             compared.append(replayed.compared)
+            run = replayed.run
+            shapes.append(f"{replayed.compared.name} {run.shape} live,"
+                          f" {run.requests_per_policy} requests per policy")
     checks = validate(compared)
     typer.echo(format_validation(checks))
     result_dir.mkdir(parents=True, exist_ok=True)
     numbers = result_dir / "replay-validation.json"
     numbers.write_bytes(orjson.dumps(validation_json(checks), option=orjson.OPT_INDENT_2))
     plot = plot_validation(checks, result_dir / "replay-validation.png",
-                           title=f"replay of {len(checks)} live run(s), cost"
-                           f" {', '.join(sorted(names))}: simulated against live")
+                           title=f"simulated against live: replay of {'; '.join(shapes)};"
+                           f" cost {', '.join(sorted(names))}")
     typer.echo(f"plot: {plot}")
     typer.echo(f"numbers: {numbers}")
 

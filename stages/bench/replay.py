@@ -68,6 +68,10 @@ class LiveRun:
     def shape(self) -> str:
         return f"{self.num_prefill}P{self.num_decode}D"
 
+    @property
+    def requests_per_policy(self) -> int:
+        return sum(len(s.prompt_ids) for s in self.segments[self.policies[0]])
+
 
 def _is_live(doc: object) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("start_times"), list)

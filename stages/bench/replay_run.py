@@ -93,7 +93,7 @@ def _name(result_dir: Path) -> str:
 
 
 def _header(run: LiveRun, cores: CorePlan, cost: CostModel) -> str:
-    per_policy = sum(len(s.prompt_ids) for s in run.segments[run.policies[0]])
+    per_policy = run.requests_per_policy
     rounds = len(run.segments[run.policies[0]])
     cap = f"at most {run.max_concurrency} in flight" if run.max_concurrency else "no cap"
     return (
