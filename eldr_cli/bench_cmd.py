@@ -326,6 +326,9 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
     names = set()
     shapes = []  # what each live run was, for the plot's title
     for folder in result_dirs:
+        if not folder.is_dir():
+            raise EldrError(f"{folder} is not a folder of `eldr bench` results (--replay takes"
+                            " the results folder of a live run, e.g. .eldr/results)")
         spec = cost or str(folder / "cost-model.json")
         if cost is None and not Path(spec).is_file():
             raise EldrError(f"{folder} has no cost-model.json (`eldr bench --engine-cost` on the"
