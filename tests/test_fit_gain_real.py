@@ -1,0 +1,81 @@
+"""`eldr fit`'s expected gain on a real capture of the bundled model (vLLM, the bundled
+calibration prompts): a gain whose interval excludes zero, and none once each request's decode
+profile is swapped for another request's, which leaves prefill predicting nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages.fit.artifact import ArtifactStore
+from stages.fit.gain_report import gain_lines
+from stages.fit.pipeline import FitConfig, fit_artifact
+from stages.routing.cost_model import gpu_like
+from stages.signature.dataset import SignatureDataset
+from tests.conftest import requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.vllm]
+
+# The calibration file interleaves its seven domains, so its first 400 prompts hold them all;
+# 80 are held out, enough for batches of 4 to 16 on two clusters.
+LIMIT = 400
+
+
+def _eldr(*args: str, home: Path) -> str:
+    env = {**os.environ, "ELDR_HOME": str(home)}
+    result = subprocess.run([sys.executable, "-m", "eldr_cli", *args], capture_output=True,
+                            text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("gain-real")
+    _eldr("capture", "--limit", str(LIMIT), "--max-tokens", "16", home=home)
+    return home
+
+
+def _estimated(gain: dict) -> list[dict]:  # type: ignore[type-arg]
+    return [row for row in gain["batches"] if "change" in row]
+
+
+def test_the_bundled_capture_gives_a_gain_whose_interval_excludes_zero(home: Path) -> None:
+    out = _eldr("fit", "--k", "2", "--balanced", "--no-plot", home=home)
+    gain = ArtifactStore(home / "artifacts").load().metrics["expected_gain"]
+    rows = _estimated(gain)
+    assert [r["batch_size"] for r in rows][:2] == [4, 8], gain
+    for row in rows:
+        lo, hi = row["change_ci"]
+        assert lo <= row["change"] <= hi < 0 and row["verdict"] == "gain", row
+        assert row["tpot_change_ci"][1] < 0, row
+        assert row["same_cluster_batches"] >= 1000 and row["random_batches"] >= 1000
+    assert gain["verdict"] == "gain"
+    assert "verdict: expected gain" in out
+
+
+def test_the_bundled_capture_with_shuffled_decode_profiles_gives_none(
+    home: Path, tmp_path: Path
+) -> None:
+    dataset = SignatureDataset.open(home / "signatures.zarr")
+    arrays = dataset.read()
+    identity = dataset.identity
+    shuffled = arrays.decode_counts[np.random.default_rng(0).permutation(len(arrays))]
+    artifact = fit_artifact(
+        arrays.prefill_counts, shuffled, identity, dataset.content_hash(),
+        FitConfig(k=2, seed=0), ArtifactStore(tmp_path),
+        cost=gpu_like(identity.num_layers, identity.num_experts),
+    )
+    gain = artifact.metrics["expected_gain"]
+    rows = _estimated(gain)
+    assert rows
+    for row in rows:
+        lo, hi = row["change_ci"]
+        assert lo < 0 < hi and row["verdict"] == "none", row
+    assert gain["verdict"] == "none"
+    assert gain_lines(gain, k=2)[-1].startswith("verdict: no expected gain")
