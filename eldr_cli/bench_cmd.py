@@ -314,6 +314,7 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
     import orjson
 
     from stages.bench.plots import plot_validation
+    from stages.bench.replay import results_folder
     from stages.bench.replay_run import replay_run, store_beside
     from stages.bench.validation import format_validation, validate, validation_json
     from stages.routing.cost_model import cost_model_for
@@ -326,10 +327,7 @@ def _replay(result_dirs: list[Path], data: Path | None, store: Path | None, cost
     names = set()
     shapes = []  # what each live run was, for the plot's title
     for folder in result_dirs:
-        if not folder.is_dir():
-            raise EldrError(f"{folder} is not a folder of `eldr bench` results (--replay takes"
-                            " the results folder of a live run, e.g. .eldr/results)")
-        spec = cost or str(folder / "cost-model.json")
+        spec = cost or str(results_folder(folder) / "cost-model.json")
         if cost is None and not Path(spec).is_file():
             raise EldrError(f"{folder} has no cost-model.json (`eldr bench --engine-cost` on the"
                             " live workers writes it); give the cost model with --cost")

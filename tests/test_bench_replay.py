@@ -367,7 +367,7 @@ def test_cli_replays_a_live_run_and_saves_the_validation(arrays, tmp_path) -> No
     nowhere = CliRunner().invoke(app, ["bench", "--simulate", "--replay", str(tmp_path / "no"),
                                        "--data", str(tmp_path / "sig.zarr")])
     assert isinstance(nowhere.exception, EldrError)
-    assert "is not a folder of `eldr bench` results" in str(nowhere.exception)
+    assert f"no results folder at {tmp_path / 'no'}" in str(nowhere.exception)
 
 
 def test_a_replayed_run_finds_the_artifacts_of_its_own_home(tmp_path, monkeypatch) -> None:

@@ -84,15 +84,22 @@ def _read(path: Path) -> object:
         raise EldrError(f"{path} is not a JSON result file: {exc}") from exc
 
 
+def results_folder(result_dir: Path) -> Path:
+    """``result_dir``, once it is a folder (a live run's results are read from it)."""
+    result_dir = Path(result_dir)
+    if not result_dir.is_dir():
+        raise EldrError(f"no results folder at {result_dir} (--replay takes the results folder"
+                        " of a live `eldr bench` run, e.g. .eldr/results)")
+    return result_dir
+
+
 def load_live_runs(result_dir: Path, prompts: Path | None = None) -> list[LiveRun]:
     """Every request rate of the live comparison saved in ``result_dir``.
 
     ``prompts`` is the prompt file, needed only for results without prompt ids whose run did
     not record its prompt file (default: the bundled evaluation split, `eldr bench`'s).
     """
-    result_dir = Path(result_dir)
-    if not result_dir.is_dir():
-        raise EldrError(f"no results folder at {result_dir}")
+    result_dir = results_folder(result_dir)
     by_rate: dict[float, list[tuple[Path, dict[str, Any]]]] = {}
     for path in sorted(result_dir.glob("*qps.json")):
         doc = _read(path)
