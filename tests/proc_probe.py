@@ -35,6 +35,16 @@ class Listener:
         return ipaddress.ip_address(self.address).is_loopback
 
 
+def eldr_ok(*args: str, home: Path, timeout: int = 600) -> str:
+    """`eldr ARGS` as a user runs it, with ``home`` as its ELDR_HOME; its stdout, once it has
+    exited 0."""
+    env = {**os.environ, "ELDR_HOME": str(home)}
+    result = subprocess.run([sys.executable, "-m", "eldr_cli", *args], capture_output=True,
+                            text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def alive(pid: int) -> bool:
     info = linux.read_info(pid)
     return info is not None and not info.zombie

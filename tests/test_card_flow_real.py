@@ -16,22 +16,15 @@ import httpx
 import pytest
 
 from tests.conftest import free_port, requires_vllm
-from tests.proc_probe import wait_healthy
+from tests.proc_probe import eldr_ok, wait_healthy
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
 
-def _eldr(*args: str, env: dict[str, str], timeout: int = 600) -> str:
-    result = subprocess.run([sys.executable, "-m", "eldr_cli", *args], capture_output=True,
-                            text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 def test_capture_fit_k20_serve_bench(tmp_path: Path) -> None:
     env = {**os.environ, "ELDR_HOME": str(tmp_path)}
-    _eldr("capture", "--limit", "60", "--max-tokens", "4", env=env)
-    _eldr("fit", "--k", "20", "--balanced", env=env)
+    eldr_ok("capture", "--limit", "60", "--max-tokens", "4", home=tmp_path)
+    eldr_ok("fit", "--k", "20", "--balanced", home=tmp_path)
     port, worker_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     serve = subprocess.Popen(
@@ -45,9 +38,9 @@ def test_capture_fit_k20_serve_bench(tmp_path: Path) -> None:
         assert state["policy"] == "eldr"
         assert [len(w["clusters"]) for w in state["decode_workers"]] == [10, 10]
         out = tmp_path / "results"
-        _eldr("bench", "--url", url, "--policies", "eldr,jsq", "--num-prompts", "8",
+        eldr_ok("bench", "--url", url, "--policies", "eldr,jsq", "--num-prompts", "8",
               "--rounds", "1", "--max-tokens", "8", "--request-rate", "inf",
-              "--result-dir", str(out), env=env)
+              "--result-dir", str(out), home=tmp_path)
         results = [json.loads(p.read_text()) for p in out.glob("*.json")]
         runs = [r for r in results if r.get("completed") is not None]
         assert runs and all(r["completed"] == 8 and r["failed"] == 0 for r in runs), results

@@ -4,9 +4,6 @@ profile is swapped for another request's, which leaves prefill predicting nothin
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +15,8 @@ from stages.fit.pipeline import FitConfig, fit_artifact
 from stages.routing.cost_model import gpu_like
 from stages.signature.dataset import SignatureDataset
 from tests.conftest import requires_vllm
+from tests.proc_probe import eldr_ok
+from tests.test_fit_gain import estimated
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -26,29 +25,17 @@ pytestmark = [requires_vllm, pytest.mark.vllm]
 LIMIT = 400
 
 
-def _eldr(*args: str, home: Path) -> str:
-    env = {**os.environ, "ELDR_HOME": str(home)}
-    result = subprocess.run([sys.executable, "-m", "eldr_cli", *args], capture_output=True,
-                            text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("gain-real")
-    _eldr("capture", "--limit", str(LIMIT), "--max-tokens", "16", home=home)
+    eldr_ok("capture", "--limit", str(LIMIT), "--max-tokens", "16", home=home, timeout=900)
     return home
 
 
-def _estimated(gain: dict) -> list[dict]:  # type: ignore[type-arg]
-    return [row for row in gain["batches"] if "change" in row]
-
-
 def test_the_bundled_capture_gives_a_gain_whose_interval_excludes_zero(home: Path) -> None:
-    out = _eldr("fit", "--k", "2", "--balanced", "--no-plot", home=home)
+    out = eldr_ok("fit", "--k", "2", "--balanced", "--no-plot", home=home, timeout=900)
     gain = ArtifactStore(home / "artifacts").load().metrics["expected_gain"]
-    rows = _estimated(gain)
+    rows = estimated(gain)
     assert [r["batch_size"] for r in rows][:2] == [4, 8], gain
     for row in rows:
         lo, hi = row["change_ci"]
@@ -72,7 +59,7 @@ def test_the_bundled_capture_with_shuffled_decode_profiles_gives_none(
         cost=gpu_like(identity.num_layers, identity.num_experts),
     )
     gain = artifact.metrics["expected_gain"]
-    rows = _estimated(gain)
+    rows = estimated(gain)
     assert rows
     for row in rows:
         lo, hi = row["change_ci"]
