@@ -38,6 +38,7 @@ from vllm.logger import init_logger
 from stages.capture.kv_group import signature_group
 from stages.capture.ledger import SignatureLedger
 from stages.capture.messages import StepPlan, StepReport
+from stages.capture.parallel import ParallelLayout, check_layout
 from stages.capture.recorder import SignatureRecorder
 from stages.capture.stats import EldrConnectorStats, EldrPromMetrics
 
@@ -83,6 +84,13 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        from stages.engine import on_cpu
+        from stages.vllm_compat import check_vllm
+
+        # Only engines that record are checked: eldr's plugin is loaded by every vLLM engine
+        # in the environment, and must never stop one that does not use this connector.
+        check_vllm()
+        check_layout(ParallelLayout.of_engine(vllm_config.parallel_config, on_cpu()))
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._count_decode = bool(extra.get("count_decode", False))
         group = signature_group(kv_cache_config)
@@ -111,6 +119,13 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         context = self._vllm_config.compilation_config.static_forward_context
         restore_compute_affinity()
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        if get_tensor_model_parallel_rank() != 0:
+            # Tensor-parallel ranks route every token alike: the stage's first rank records,
+            # the others keep their hooks (same graph on every rank) and report nothing.
+            self._recorder = None
+            return
         bound = self._recorder.bind(context, device)  # raises if a layer lacks its buffer
         if bound == 0:
             logger.warning("eldr: no MoE router found; this model yields no signatures")
@@ -162,7 +177,7 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._ledger is not None
         report = connector_output.kv_connector_worker_meta
-        report = report if isinstance(report, StepReport) else None
+        report = report.resolve() if isinstance(report, StepReport) else None
         zero_before = self._ledger.zero_signatures
         self._ledger.apply(report)
         if report is not None and report.decode_steps:

@@ -12,14 +12,14 @@ computed, and the signature stays exact. Writing slot 0 of a block means the blo
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from stages.capture.messages import StepPlan, StepReport
+from stages.capture.host_copy import PendingCopy, StepTimer, to_device
+from stages.capture.messages import DeviceResults, StepPlan, StepReport
 from stages.capture.topk_sink import BUFFER_NAME, UNWRITTEN, TopkSink
 
 
@@ -65,7 +65,9 @@ def _route_monolithic_kernel(layer: torch.nn.Module) -> None:
 
 def current_slot_mapping(layer_name: str | None = None) -> torch.Tensor | None:
     """This step's token -> KV slot map of ``layer_name``'s KV cache group (default: the first
-    layer's), whole even when vLLM splits the step into micro-batches."""
+    layer's). A step split into micro-batches is refused: each micro-batch writes its expert
+    ids from row 0 of the same buffers, so they would not line up with the joined slots
+    (engines with micro-batching are refused at start, :mod:`stages.capture.parallel`)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
@@ -78,7 +80,12 @@ def current_slot_mapping(layer_name: str | None = None) -> torch.Tensor | None:
     ]
     if not slices:
         return None
-    return slices[0] if len(slices) == 1 else torch.cat(slices)
+    if len(slices) > 1:
+        raise RuntimeError(
+            f"eldr: this step ran in {len(slices)} micro-batches, whose expert ids eldr cannot"
+            " line up with their KV slots; start the worker without --enable-dbo/--ubatch-size"
+        )
+    return slices[0]
 
 
 class SignatureRecorder:
@@ -88,14 +95,19 @@ class SignatureRecorder:
     static buffer (:mod:`stages.capture.topk_sink`), which compiled graphs and CUDA graphs keep.
     All accounting happens once per step after the forward, from those buffers and the plan's
     token count: nothing depends on Python state that a compiled forward would not update.
+
+    The per-step path never waits for the device (:mod:`stages.capture.host_copy`): what must
+    not be counted (padding, a prefix hit's recomputed slots, rows the forward did not write)
+    is sent to a spare row instead of being filtered out, index lists reach the device through
+    non-blocking copies, and results come back in the report as :class:`DeviceResults`.
     """
 
     # Steps on which the buffers are first filled with UNWRITTEN and then checked: the first
     # ones of the worker (a hook missing from the graph shows at once), then a sample.
     CHECK_FIRST_STEPS = 32
     CHECK_EVERY = 64
-    # On GPUs, decode-step statistics (distinct experts, step time) cost a host read-back that
-    # waits for the forward: take them on every 16th decode step (they are averages).
+    # On GPUs, decode-step statistics (distinct experts, step time) are taken on every 16th
+    # decode step only: they are averages, and each costs a few small kernels and a copy.
     GPU_STATS_EVERY = 16
 
     def __init__(
@@ -112,7 +124,7 @@ class SignatureRecorder:
         self.table: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []
         self._plan: StepPlan | None = None
-        self._step_started = 0.0
+        self._timer: StepTimer | None = None
         self._steps_with_tokens = 0
         self._decode_steps = 0
         self._checking = False
@@ -152,12 +164,14 @@ class SignatureRecorder:
         self._layer_offsets = (
             torch.arange(self.num_layers, device=device) * self.num_experts
         ).view(-1, 1, 1)
+        self._timer = StepTimer(device)
         return self.num_layers
 
     # -- per step ---------------------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
         self._plan = plan
-        self._step_started = time.perf_counter()
+        if self._timer is not None:
+            self._timer.start()
         n = min(plan.num_tokens, self.max_tokens)
         self._checking = n > 0 and (
             self._steps_with_tokens < self.CHECK_FIRST_STEPS
@@ -175,105 +189,115 @@ class SignatureRecorder:
         if plan is None or self.table is None:
             return None
         n = min(plan.num_tokens, self.max_tokens)
-        report = StepReport()
+        results: dict[str, torch.Tensor] = {}
+        step = DeviceResults(copy=PendingCopy({}))
         slots = current_slot_mapping(self.slot_layer) if slots is None else slots
         if n and slots is not None:
             picks = torch.stack([buffer[:n] for buffer in self._buffers]).to(torch.int64)
-            if self._checking and bool((picks == UNWRITTEN).any()):
-                # The forward did not run the hook (a graph traced or cached without it):
-                # adding these ids would corrupt the table. Report it instead.
-                report.unrecorded_steps = 1
-            else:
-                self._account(plan, slots[:n].to(torch.int64), picks, report)
-                if self._trace_dir is not None:
-                    self._dump_trace(picks)
-        for req_id, blocks in plan.snapshots.items():
-            rows = self.table[torch.tensor(blocks, dtype=torch.int64, device=self.table.device)]
-            report.signatures[req_id] = rows.sum(0, dtype=torch.int32).cpu().numpy()
-        if report.signatures:
-            report.moe_layers = tuple(self.layer_ids)
-        if not (
-            report.signatures or report.decode_counts or report.decode_steps
-            or report.unrecorded_steps
-        ):
+            if self._checking:
+                # The forward did not run the hook (a graph traced or cached without it): the
+                # rows it left unwritten go to the spare row, and the report says so.
+                results["unwritten"] = (picks == UNWRITTEN).any()
+            self._account(plan, slots[:n].to(torch.int64), picks, results, step)
+            if self._trace_dir is not None:
+                self._dump_trace(picks)
+        if plan.snapshots:
+            step.signature_ids = list(plan.snapshots)
+            results["signatures"] = self._sum_blocks(list(plan.snapshots.values()))
+        if not results:
             return None
-        return report
+        step.copy = PendingCopy(results)
+        return StepReport(moe_layers=tuple(self.layer_ids), pending=step)
+
+    def _sum_blocks(self, requests: list[list[int]]) -> torch.Tensor:
+        """``[R, L, E]`` int32: each request's blocks' rows summed, in one gather."""
+        assert self.table is not None
+        blocks = [block for request in requests for block in request]
+        owners = [row for row, request in enumerate(requests) for _ in request]
+        both = to_device(blocks + owners, self.table.device)
+        rows = self.table.index_select(0, both[: len(blocks)]).to(torch.int32)
+        sums = torch.zeros((len(requests), self.num_layers, self.num_experts),
+                           dtype=torch.int32, device=self.table.device)
+        return sums.index_add_(0, both[len(blocks):], rows)
 
     def _account(
-        self, plan: StepPlan, slots: torch.Tensor, picks: torch.Tensor, report: StepReport
+        self, plan: StepPlan, slots: torch.Tensor, picks: torch.Tensor,
+        results: dict[str, torch.Tensor], step: DeviceResults,
     ) -> None:
-        """Add this step's picks into the table (and decode counts, decode-step stats).
-
-        No step here reads a device value back to the host, so on GPUs the worker never waits
-        for the forward to finish (vLLM's async scheduling keeps overlapping the next step's
-        preparation with it): tokens to leave out are sent to a spare row instead of being
-        filtered out, and decode-step statistics are read back on sampled steps only.
-        """
+        """Add this step's picks into the table (and decode counts, decode-step stats)."""
         assert self.table is not None
         keep = slots >= 0
         if plan.skip_slots:
             # Slots re-written with the same KV (a full prefix hit recomputes its last token
             # into a cached block): their picks are already in the row.
-            skip = torch.tensor(plan.skip_slots, dtype=torch.int64, device=slots.device)
-            keep &= ~torch.isin(slots, skip)
+            skip = to_device(sorted(plan.skip_slots), slots.device)
+            at = torch.searchsorted(skip, slots).clamp_(max=len(skip) - 1)
+            keep &= skip[at] != slots
         spare = self.num_blocks  # the table's extra row: absorbs what must not be counted
         blocks = torch.where(keep, slots // self.block_size, spare)
         # Writing slot 0 of a block means the block was (re)allocated: reset its row first.
         fresh = keep & (slots % self.block_size == 0)
         self.table.index_fill_(0, torch.where(fresh, blocks, spare), 0)
+        # An id the forward did not write (UNWRITTEN) or cannot have written is never counted.
+        counted = keep.view(1, -1, 1) & (picks >= 0) & (picks < self.num_experts)
         per_block = self.num_layers * self.num_experts
-        flat = (blocks.view(1, -1, 1) * per_block + self._layer_offsets + picks).flatten()
+        flat = torch.where(
+            counted, blocks.view(1, -1, 1) * per_block + self._layer_offsets + picks,
+            spare * per_block,
+        ).flatten()
         self.table.view(-1).index_add_(
             0, flat, torch.ones(flat.numel(), dtype=self.table.dtype, device=flat.device)
         )
         if plan.decode_slots:
-            self._attribute_decode(plan, slots, picks, report)
+            step.decode_ids = list(plan.decode_slots)
+            results["decode_counts"] = self._attribute_decode(plan, slots, picks, counted)
         if plan.decode_only:
             self._decode_steps += 1
-            if not self.table.is_cuda or self._decode_steps % self.GPU_STATS_EVERY == 0:
-                self._decode_stats(keep, picks, report)
+            if self.table.device.type == "cpu" or self._decode_steps % self.GPU_STATS_EVERY == 0:
+                self._decode_stats(keep, picks, counted, results, step)
 
-    def _decode_stats(self, keep: torch.Tensor, picks: torch.Tensor, report: StepReport) -> None:
-        """Distinct experts per layer and the time of this decode step (a host read-back)."""
+    def _decode_stats(
+        self, keep: torch.Tensor, picks: torch.Tensor, counted: torch.Tensor,
+        results: dict[str, torch.Tensor], step: DeviceResults,
+    ) -> None:
+        """Distinct experts per layer and the time of this decode step."""
+        assert self._timer is not None
         # Left-out tokens pick the spare column E, dropped before counting.
-        ids = torch.where(keep.view(1, -1, 1), picks, self.num_experts)
+        ids = torch.where(counted, picks, self.num_experts)
         present = torch.zeros(
             (self.num_layers, self.num_experts + 1), dtype=torch.bool, device=ids.device
         )
         present.scatter_(1, ids.reshape(self.num_layers, -1), True)
-        active = present[:, : self.num_experts].sum(1).cpu().numpy()
-        tokens = int(keep.sum())
-        if tokens == 0:
-            return
-        report.decode_steps = 1
-        report.active_experts = active
-        report.decode_seconds = time.perf_counter() - self._step_started
-        report.decode_tokens = tokens
+        results["active"] = present[:, : self.num_experts].sum(1)
+        results["tokens"] = keep.sum()
+        step.step_time = self._timer.stop()
 
     def _attribute_decode(
-        self, plan: StepPlan, slots: torch.Tensor, ids: torch.Tensor, report: StepReport
-    ) -> None:
-        """Per-request decode counts: tokens matched to requests by their KV slot."""
+        self, plan: StepPlan, slots: torch.Tensor, picks: torch.Tensor, counted: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-request decode counts ``[R, L, E]``: tokens matched to requests by KV slot."""
         owners = sorted(
             (slot, row)
             for row, req_slots in enumerate(plan.decode_slots.values())
             for slot in req_slots
         )
-        tracked = torch.tensor([s for s, _ in owners], dtype=torch.int64, device=slots.device)
-        rows = torch.tensor([r for _, r in owners], dtype=torch.int64, device=slots.device)
-        pos = torch.searchsorted(tracked, slots).clamp(max=len(owners) - 1)
+        both = to_device([s for s, _ in owners] + [r for _, r in owners], slots.device)
+        tracked, rows = both[: len(owners)], both[len(owners):]
+        pos = torch.searchsorted(tracked, slots).clamp_(max=len(owners) - 1)
         hit = tracked[pos] == slots
-        tokens = torch.nonzero(hit).flatten()
+        # Tokens of no tracked request (prompt tokens, padding) land in a spare request row.
+        spare = len(plan.decode_slots)
+        owner = torch.where(hit, rows[pos], spare)
         per_req = self.num_layers * self.num_experts
-        flat = (rows[pos[hit]].view(1, -1, 1) * per_req + self._layer_offsets
-                + ids[:, tokens]).flatten()
-        counts = torch.zeros(len(plan.decode_slots) * per_req, dtype=torch.int32,
-                             device=slots.device)
+        flat = torch.where(
+            counted & hit.view(1, -1, 1),
+            owner.view(1, -1, 1) * per_req + self._layer_offsets + picks,
+            spare * per_req,
+        ).flatten()
+        counts = torch.zeros((spare + 1) * per_req, dtype=torch.int32, device=slots.device)
         counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.int32,
                                               device=flat.device))
-        table = counts.view(-1, self.num_layers, self.num_experts).cpu().numpy()
-        for row, req_id in enumerate(plan.decode_slots):
-            report.decode_counts[req_id] = table[row]
+        return counts.view(-1, self.num_layers, self.num_experts)[:spare]
 
     def _dump_trace(self, picks: torch.Tensor) -> None:
         """Debug aid for tests: this step's picks as ``[layers, tokens, top_k]``."""
