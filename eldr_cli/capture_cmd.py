@@ -37,6 +37,10 @@ def capture(
     batch_size: Annotated[int, typer.Option(help="Prompts per batch (each batch is saved).",
                                             min=1)] = 64,
     enforce_eager: EagerOption = False,
+    tensor_parallel_size: Annotated[int, typer.Option(
+        "--tensor-parallel-size", "-tp", min=1,
+        help="vLLM --tensor-parallel-size: one engine over this many GPUs (on CPU, one core"
+        " per rank). Signatures equal a single-rank engine's.")] = 1,
     seed: SeedOption = 0,
 ) -> None:
     """Run prompts through vLLM with eldr's plugin and store each request's prefill signature
@@ -55,7 +59,7 @@ def capture(
     typer.echo(f"capturing {len(items)} prompts with {resolved.identity.describe()} -> {out}")
     typer.echo(f"vLLM's output goes to {log_path}")
     config = CaptureConfig(max_tokens=max_tokens, batch_size=batch_size, seed=seed,
-                           enforce_eager=enforce_eager)
+                           enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
     with output_to_file(log_path) as console:
         try:
             with tqdm(total=len(items), unit="prompt", desc="capture", file=console) as bar:

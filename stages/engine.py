@@ -63,7 +63,9 @@ class ServerSpec:
     # vLLM's default mode is compiled (torch.compile, plus CUDA graphs on GPU); eldr records
     # in it, so eager is only a choice (faster start-up, slower decode on GPUs).
     enforce_eager: bool = False
-    gpu: int | None = None  # the one device this worker sees (CUDA_VISIBLE_DEVICES)
+    # vLLM --tensor-parallel-size: ranks of this worker (GPUs, or CPU core groups "0|1")
+    tensor_parallel_size: int = 1
+    gpus: tuple[int, ...] = ()  # the devices this worker sees (CUDA_VISIBLE_DEVICES)
     gpu_memory_utilization: float | None = None
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -131,6 +133,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--dtype", "bfloat16"]
     if spec.enforce_eager:
         argv += ["--enforce-eager"]
+    if spec.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     if spec.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.enable_prefix_caching:
@@ -150,8 +154,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
     env.update(LOOPBACK_ENV)
-    if spec.gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = _physical_gpu(spec.gpu)
+    if spec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_physical_gpu(gpu) for gpu in spec.gpus)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.update(spec.extra_env)
     return argv, env
@@ -172,7 +176,8 @@ class VllmServer:
         argv, env = server_command(spec)
         self._log = self.log_path.open("ab" if append else "wb")
         # The affinity is inherited by the engine core and worker processes vLLM spawns.
-        cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
+        # (all of its ranks' cores: "0|1" binds rank 0 to core 0 and rank 1 to core 1)
+        cores = parse_cores(spec.cpu_cores.replace("|", ",")) if spec.cpu_cores else None
         self.started_at = time.monotonic()
         self.proc = keeper.spawn(argv, env, self._log, cores)
 
@@ -254,6 +259,25 @@ def parse_cores(text: str) -> list[int]:
         first, _, last = part.partition("-")
         cores.extend(range(int(first), int(last or first) + 1))
     return cores
+
+
+def rank_binding(cores: list[int], ranks: int, allowed: list[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a worker with ``ranks`` tensor-parallel ranks.
+
+    vLLM's CPU build runs each rank in its own process and needs one core group per rank
+    (``"0|1"``); without it, it refuses ("Not enough allowed NUMA nodes"). The worker's own
+    ``cores`` are split among its ranks; a worker with fewer cores than ranks takes the first
+    ``ranks`` of the ``allowed`` cores, shared with other workers, which is slow but runs.
+    """
+    if ranks > len(allowed):
+        raise EldrError(
+            f"tensor parallel size {ranks} on CPU needs a core per rank, and this process may"
+            f" use {len(allowed)} ({','.join(map(str, allowed))})"
+        )
+    pool = cores if len(cores) >= ranks else allowed[:ranks]
+    share = len(pool) // ranks
+    groups = [pool[rank * share : (rank + 1) * share] for rank in range(ranks)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
 def tail(path: Path, lines: int = 25) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from stages.errors import EldrError
 from stages.serve.launcher import core_plan
 
 
@@ -82,24 +85,33 @@ def test_bad_worker_cores_are_user_errors() -> None:
 def test_gpu_workers_get_one_device_each_and_share_memory_when_they_must() -> None:
     from stages.serve.launcher import gpu_plan
 
-    assert gpu_plan(3, 4) == [(0, 0.9), (1, 0.9), (2, 0.9)]
-    assert gpu_plan(3, 1) == [(0, 0.3), (0, 0.3), (0, 0.3)]
-    assert gpu_plan(3, 2) == [(0, 0.45), (1, 0.45), (0, 0.45)]
+    assert gpu_plan([1, 1, 1], 4) == [((0,), 0.9), ((1,), 0.9), ((2,), 0.9)]
+    assert gpu_plan([1, 1, 1], 1) == [((0,), 0.3), ((0,), 0.3), ((0,), 0.3)]
+    assert gpu_plan([1, 1, 1], 2) == [((0,), 0.45), ((1,), 0.45), ((0,), 0.45)]
+    # Tensor-parallel workers take several GPUs each.
+    assert gpu_plan([1, 2, 2], 8) == [((0,), 0.9), ((1, 2), 0.9), ((3, 4), 0.9)]
+    assert gpu_plan([2, 2], 2) == [((0, 1), 0.45), ((0, 1), 0.45)]
+    with pytest.raises(EldrError, match="tensor parallel size 4 needs that many GPUs"):
+        gpu_plan([4], 2)
 
 
 def test_gpu_worker_command_names_its_device(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from stages.engine import ServerSpec, server_command
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    argv, env = server_command(ServerSpec(model="m", port=1, gpu=1, gpu_memory_utilization=0.45))
+    argv, env = server_command(ServerSpec(model="m", port=1, gpus=(1,),
+                                          gpu_memory_utilization=0.45))
     assert env["CUDA_VISIBLE_DEVICES"] == "5"
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.45"
     assert "--enforce-eager" not in argv  # vLLM's default compiled mode
+    argv, env = server_command(ServerSpec(model="m", port=1, gpus=(0, 1),
+                                          tensor_parallel_size=2))
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
 
 
 def free_range(count: int) -> int:
     """A first port with ``count`` free ports from it (ports near an ephemeral one may not be)."""
-    from stages.errors import EldrError
     from stages.serve.ports import check_free
     from tests.conftest import free_port
 
@@ -211,3 +223,25 @@ def test_free_ports_stay_below_the_kernels_ephemeral_range() -> None:
     # Ephemeral ports go to any socket's automatic bind (vLLM's ZMQ and gloo ones among them),
     # so a port picked there could be taken before the worker binds it.
     assert len(set(ports)) == 8 and all(10100 <= p < _ephemeral_low() for p in ports)
+
+
+def test_tensor_parallel_workers_bind_one_core_group_per_rank() -> None:
+    from stages.engine import rank_binding
+
+    assert rank_binding([0, 1], 2, [0, 1]) == "0|1"
+    assert rank_binding([2, 3, 4, 5], 2, [0, 1, 2, 3, 4, 5]) == "2-3|4-5"
+    # A worker with one core of its own shares the machine's first cores among its ranks.
+    assert rank_binding([1], 2, [0, 1]) == "0|1"
+    with pytest.raises(EldrError, match="needs a core per rank, and this process may use 2"):
+        rank_binding([0, 1], 4, [0, 1])
+
+
+def test_cluster_gives_its_tensor_parallel_decode_worker_a_core_per_rank(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import stages.serve.launcher as launcher
+
+    monkeypatch.setattr(launcher, "on_cpu", lambda: True)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})
+    spec = launcher.ClusterSpec(model="/m", served_name="m", prefill=1, decode=1, decode_tp=2)
+    prefill, decode = launcher.worker_specs(spec, [1, 2])
+    assert (prefill.cpu_cores, prefill.tensor_parallel_size) == ("0", 1)
+    assert (decode.cpu_cores, decode.tensor_parallel_size) == ("0|1", 2)

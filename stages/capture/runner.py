@@ -35,6 +35,8 @@ class CaptureConfig:
     seed: int = 0
     # vLLM's default is compiled (torch.compile, plus CUDA graphs on GPU); eager is a choice.
     enforce_eager: bool = False
+    # One engine over this many devices (or CPU cores); signatures equal a single rank's.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -88,13 +90,18 @@ def _start_engine(model: ResolvedModel, config: CaptureConfig) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from stages.engine import kv_transfer_config, on_cpu
+    from stages.engine import kv_transfer_config, on_cpu, rank_binding
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    tp = config.tensor_parallel_size
+    if on_cpu() and tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        allowed = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rank_binding(allowed, tp, allowed)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     extra: dict[str, Any] = {"dtype": "bfloat16"} if on_cpu() else {}
     return LLM(
         model=model.source,
+        tensor_parallel_size=tp,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         enable_prefix_caching=True,

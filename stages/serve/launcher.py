@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.engine import ServerSpec, VllmServer, on_cpu, parse_cores
+from stages.engine import ServerSpec, VllmServer, on_cpu, parse_cores, rank_binding
 from stages.errors import EldrError
 from stages.serve.ports import check_free, free_ports
 
@@ -38,6 +38,12 @@ class ClusterSpec:
     worker_cores: tuple[str, ...] | None = None
     enforce_eager: bool = False
     extra_args: tuple[str, ...] = ()
+    # vLLM --tensor-parallel-size of each prefill / decode worker
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    def tp(self, role: str) -> int:
+        return self.prefill_tp if role == "prefill" else self.decode_tp
 
     def __post_init__(self) -> None:
         if self.worker_cores is not None:
@@ -72,15 +78,24 @@ def core_plan(roles: list[str], cores: list[int]) -> list[str | None]:
     return plan
 
 
-def gpu_plan(num_workers: int, num_gpus: int) -> list[tuple[int, float]]:
-    """(GPU index, --gpu-memory-utilization) per worker: workers spread round-robin over the
-    GPUs, and workers sharing a GPU split vLLM's default 0.9 of its memory between them."""
+def gpu_plan(sizes: list[int], num_gpus: int) -> list[tuple[tuple[int, ...], float]]:
+    """(GPU indices, --gpu-memory-utilization) per worker, ``sizes`` being each worker's
+    tensor-parallel size: workers take the next GPUs in turn, wrapping round, and workers
+    sharing a GPU split vLLM's default 0.9 of its memory between them."""
     if num_gpus < 1:
         raise EldrError("no GPU is visible (CUDA_VISIBLE_DEVICES?), but vLLM's GPU build is"
                         " installed; on a CPU machine install the cpu extra")
-    sharing = -(-num_workers // num_gpus)
+    if max(sizes, default=1) > num_gpus:
+        raise EldrError(f"a worker with tensor parallel size {max(sizes)} needs that many GPUs;"
+                        f" {num_gpus} are visible")
+    devices: list[tuple[int, ...]] = []
+    taken = 0
+    for size in sizes:
+        devices.append(tuple((taken + rank) % num_gpus for rank in range(size)))
+        taken += size
+    sharing = -(-taken // num_gpus)
     share = round(0.9 / sharing, 2)
-    return [(i % num_gpus, share) for i in range(num_workers)]
+    return [(gpus, share) for gpus in devices]
 
 
 def visible_gpus() -> int:
@@ -136,13 +151,18 @@ def side_channel_ports(spec: ClusterSpec) -> list[int]:
 def worker_specs(spec: ClusterSpec, nixl_ports: list[int]) -> list[ServerSpec]:
     """The workers' specs, prefill workers first; ``nixl_ports`` has one port per worker."""
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
+    allowed = sorted(os.sched_getaffinity(0)) if on_cpu() else []
     if spec.worker_cores is not None:
         binding: list[str | None] = list(spec.worker_cores)
     else:
-        cores = sorted(os.sched_getaffinity(0)) if on_cpu() else []
-        binding = core_plan(roles, cores)
-    # On GPUs each worker sees one device; workers sharing one split its memory.
-    gpus = None if on_cpu() else gpu_plan(len(roles), visible_gpus())
+        binding = core_plan(roles, allowed)
+    for i, role in enumerate(roles):
+        if allowed and spec.tp(role) > 1:
+            # One core group per rank, as vLLM's CPU build needs ("0|1").
+            own = parse_cores(binding[i]) if binding[i] else []
+            binding[i] = rank_binding(own, spec.tp(role), allowed)
+    # On GPUs each worker sees its own devices; workers sharing one split its memory.
+    gpus = None if on_cpu() else gpu_plan([spec.tp(r) for r in roles], visible_gpus())
     mixed = spec.prefill_model is not None and spec.prefill_model != spec.model
     return [
         ServerSpec(
@@ -157,7 +177,8 @@ def worker_specs(spec: ClusterSpec, nixl_ports: list[int]) -> list[ServerSpec]:
             nixl_side_channel_port=nixl_ports[i],
             nixl_compat_check=not mixed,
             enforce_eager=spec.enforce_eager,
-            gpu=gpus[i][0] if gpus else None,
+            tensor_parallel_size=spec.tp(role),
+            gpus=gpus[i][0] if gpus else (),
             gpu_memory_utilization=gpus[i][1] if gpus else None,
             extra_args=spec.extra_args,
         )
