@@ -262,6 +262,12 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
         (["--vllm-arg=--port 9000"], "use --worker-port"),
         (["--vllm-arg=--kv-transfer-config={}"], "eldr sets --kv-transfer-config itself"),
         (["--vllm-arg=dtype"], "pass vLLM flags"),
+        (["--vllm-arg=-tp 2"], "use --prefill-tp / --decode-tp"),
+        (["--vllm-arg=--data-parallel-size 2"], "data parallel (--data-parallel-size 2)"),
+        (["--vllm-arg=-dp=2 --enable-expert-parallel"], "data parallel"),
+        (["--vllm-arg=--enable-dbo"], "micro-batching"),
+        (["--vllm-arg=--pipeline-parallel-size 2"], "pipeline parallel"),
+        (["--vllm-arg=--decode-context-parallel-size two"], "invalid int value"),
         (["--log-level", "loud"], "use debug, info, warning or error"),
         (["--api-key", " spaced "], "--api-key must be printable ASCII"),
     ],
@@ -370,3 +376,104 @@ def test_another_engine_cost_pass_needs_a_first_one(tmp_path: Path) -> None:
     assert first.returncode == 2
     assert "run `eldr bench --engine-cost` first" in first.stderr
     assert "Traceback" not in alone.stderr + first.stderr
+
+
+# --- the serve self-check: every worker, started or attached, whatever the policy ---
+
+
+class _Serving:
+    """Fake workers for `eldr serve` (tiny's signature shape) and what reached the proxy."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, names: list[str]) -> None:
+        import stages.serve.proxy as proxy
+        from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+
+        self.behaviors = [FakeBehavior(n) for n in names]
+        self.servers = [BackgroundServer(create_fake_worker(b), "critical").start()
+                        for b in self.behaviors]
+        self.urls = [s.url for s in self.servers]
+        self.configs: list[object] = []
+        monkeypatch.setattr(proxy, "run_proxy", lambda config, **kw: self.configs.append(config))
+        monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+
+    def checked(self) -> list[str]:
+        from stages.serve.self_check import PROBE_PROMPT
+
+        return [b.name for b in self.behaviors
+                if any(r.body.get("prompt") == PROBE_PROMPT for r in b.received)]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+@pytest.fixture
+def serving(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    s = _Serving(monkeypatch, tmp_path, ["p0", "d0", "d1"])
+    yield s
+    s.stop()
+
+
+def test_serve_self_checks_started_workers_for_eldr_union(
+    serving: _Serving, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import stages.serve.launcher as launcher
+    from stages.models import resolve_model
+
+    class StartedFakes:
+        def __init__(self, spec: launcher.ClusterSpec) -> None:
+            self.spec = spec
+            self.specs: list[object] = []
+            self.servers: list[object] = []
+            self.prefill_urls, self.decode_urls = serving.urls[:1], serving.urls[1:]
+
+        def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(launcher, "Cluster", StartedFakes)
+    result = runner.invoke(app, ["serve", "--policy", "eldr-union", "--port", str(free_port())])
+    assert result.exit_code == 0, result.output
+    assert serving.checked() == ["p0", "d0", "d1"]
+    (config,) = serving.configs
+    # The proxy checks each worker again when it rejoins; these start verified.
+    assert config.self_check == resolve_model("tiny").identity  # type: ignore[attr-defined]
+    assert config.checked_at_start  # type: ignore[attr-defined]
+
+
+def test_serve_self_checks_attached_workers_and_refuses_one_without_signatures(
+    serving: _Serving,
+) -> None:
+    from stages.errors import EldrError
+
+    attach = ["--attach-prefill", serving.urls[0], "--attach-decode", serving.urls[1],
+              "--attach-decode", serving.urls[2]]
+    ok = runner.invoke(app, ["serve", "--policy", "rr", "--port", str(free_port()), *attach])
+    assert ok.exit_code == 0, ok.output
+    assert serving.checked() == ["p0", "d0", "d1"]
+    serving.behaviors[2].signature = lambda body: None  # plain vLLM, no eldr
+    refused = runner.invoke(app, ["serve", "--policy", "rr", "--port", str(free_port()),
+                                  *attach])
+    assert isinstance(refused.exception, EldrError)
+    assert f"worker {serving.urls[2]} returns no expert signature" in str(refused.exception)
+    assert "--skip-self-check" in str(refused.exception)
+    assert len(serving.configs) == 1  # the proxy never opened
+
+
+def test_skip_self_check_is_for_load_balancers_only(serving: _Serving) -> None:
+    from stages.errors import EldrError
+
+    for behavior in serving.behaviors:
+        behavior.signature = lambda body: None
+    attach = ["--attach-prefill", serving.urls[0], "--attach-decode", serving.urls[1],
+              "--skip-self-check", "--port", str(free_port())]
+    refused = runner.invoke(app, ["serve", "--policy", "eldr-union", *attach])
+    assert isinstance(refused.exception, EldrError)
+    assert "policy 'eldr-union' reads expert signatures" in str(refused.exception)
+    ok = runner.invoke(app, ["serve", "--policy", "jsq", *attach])
+    assert ok.exit_code == 0, ok.output
+    assert serving.checked() == []
+    (config,) = serving.configs
+    assert config.skip_self_check and config.self_check is None  # type: ignore[attr-defined]

@@ -8,9 +8,11 @@ eldr option to use instead. Everything else goes to every started worker unchang
 
 from __future__ import annotations
 
+import argparse
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from stages.capture.parallel import ParallelLayout
 from stages.errors import EldrError
 
 # vLLM flag -> what to use instead.
@@ -25,6 +27,8 @@ OWNED_BY_ELDR = {
     "--enforce-eager": "--enforce-eager",
     "--seed": "--seed",
     "--uds": "(workers listen on TCP ports)",
+    "--tensor-parallel-size": "--prefill-tp / --decode-tp",
+    "-tp": "--prefill-tp / --decode-tp",
 }
 
 
@@ -44,3 +48,31 @@ def engine_args(values: Iterable[str]) -> tuple[str, ...]:
     if args and not args[0].startswith("-"):
         raise EldrError(f"--vllm-arg {args[0]!r}: pass vLLM flags, e.g. --vllm-arg='--dtype=half'")
     return tuple(args)
+
+
+def parallel_layout(args: Sequence[str], tensor: int, on_cpu: bool) -> ParallelLayout:
+    """The parallel layout a worker started with ``args`` (and eldr's own TP size) gets, so
+    a layout eldr cannot record is refused before any worker starts."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parser.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    parser.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
+    parser.add_argument("--ubatch-size", type=int, default=1)
+    parser.add_argument("--enable-dbo", action="store_true")
+    try:
+        known, _ = parser.parse_known_args(list(args))
+    except argparse.ArgumentError as exc:
+        raise EldrError(f"--vllm-arg: {exc}") from None
+    return ParallelLayout(
+        tensor=tensor, pipeline=known.pipeline_parallel_size, data=known.data_parallel_size,
+        prefill_context=known.prefill_context_parallel_size,
+        decode_context=known.decode_context_parallel_size,
+        micro_batches=2 if known.enable_dbo else known.ubatch_size, on_cpu=on_cpu,
+    )
+
+
+def check_recordable(args: Sequence[str], tensor: int, on_cpu: bool, role: str) -> None:
+    why = parallel_layout(args, tensor, on_cpu).refusal()
+    if why is not None:
+        raise EldrError(f"{role} workers: eldr cannot record expert signatures with {why}")
