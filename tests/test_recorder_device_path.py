@@ -280,3 +280,51 @@ def test_layout_is_read_off_vllms_parallel_config() -> None:
     assert ParallelLayout.of_engine(config, on_cpu=True) == ParallelLayout(tensor=2, on_cpu=True)
     config.enable_dbo = True
     assert ParallelLayout.of_engine(config, on_cpu=False).micro_batches == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_per_step_path_never_syncs_and_counts_as_on_cpu() -> None:
+    """The same steps on a real GPU under ``set_sync_debug_mode("error")`` (scripts/
+    gpu-check.sh), and the results equal the CPU recorder's."""
+    cuda = torch.device("cuda")
+    with cuda:
+        gpu_layers = [FakeMoELayer(8) for _ in range(2)]
+        for layer in gpu_layers:
+            assert attach(layer, 8)
+    gpu = recorder_module.SignatureRecorder(num_blocks=4, block_size=4, max_tokens=8)
+    gpu.bind_layers(list(zip((1, 3), gpu_layers, strict=True)), cuda)
+    gpu.GPU_STATS_EVERY = 1  # so this short run takes decode-step statistics too
+    cpu, cpu_layers = cpu_recorder((1, 3))
+    picks = torch.randint(0, 4, (4, 5, 2))
+    plans = [
+        (StepPlan(num_tokens=3, snapshots={"a": [0]}, skip_slots=[1]), [0, 1, 2], slice(0, 3)),
+        (StepPlan(num_tokens=2, decode_slots={"a": [3], "b": [4]}, decode_only=True,
+                  snapshots={"b": [1]}), [3, 4], slice(3, 5)),
+    ]
+    inputs = [(plan, torch.tensor(s), torch.tensor(s, device=cuda), t) for plan, s, t in plans]
+    device_picks = picks.to(cuda)
+    torch.cuda.synchronize()
+    reports = []
+    for plan, slots, device_slots, tokens in inputs:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            gpu.begin_step(plan)
+            for layer_id, layer in zip(gpu.layer_ids, gpu_layers, strict=True):
+                layer(device_picks[layer_id, tokens])
+            report = gpu.end_step(slots=device_slots)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        cpu.begin_step(plan)
+        for layer_id, layer in zip(cpu.layer_ids, cpu_layers, strict=True):
+            layer(picks[layer_id, tokens])
+        reports.append((report, end(cpu, slots)))
+    for on_gpu, on_cpu in reports:
+        assert on_gpu is not None
+        on_gpu.resolve()
+        for req_id, counts in on_cpu.signatures.items():
+            np.testing.assert_array_equal(on_gpu.signatures[req_id], counts)
+        for req_id, counts in on_cpu.decode_counts.items():
+            np.testing.assert_array_equal(on_gpu.decode_counts[req_id], counts)
+        if on_cpu.active_experts is not None:
+            np.testing.assert_array_equal(on_gpu.active_experts, on_cpu.active_experts)
+            assert on_gpu.decode_seconds > 0

@@ -1,0 +1,79 @@
+"""Real vLLM: eldr installed in an environment never stops an engine that does not record, and
+an engine that does record refuses, at start and with the reason, what it cannot record right.
+
+eldr's plugin is loaded by every vLLM process of the environment. Here the release check is
+made to fail (a ``sitecustomize`` on the servers' PYTHONPATH narrows eldr's tested releases to
+one that does not exist, in every process vLLM spawns): a plain engine must still start and
+serve, and an engine with eldr's connector must refuse with the release named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stages.engine import ServerSpec, VllmServer
+from stages.errors import EldrError
+from tests.conftest import free_port, requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.vllm]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def untested_release_env(tmp_path: Path) -> dict[str, str]:
+    shim = tmp_path / "shim"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(
+        "import stages.vllm_compat as compat\ncompat.TESTED_MINORS = ('0.0',)\n"
+    )
+    return {"PYTHONPATH": f"{shim}:{REPO}"}
+
+
+def start(spec: ServerSpec, logs: Path) -> VllmServer:
+    server = VllmServer(spec, logs)
+    try:
+        server.wait_ready(timeout_s=240)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def test_a_plain_engine_serves_where_eldr_refuses_the_release(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    env = untested_release_env(tmp_path)
+    plain = start(ServerSpec(model=str(tiny_model), port=free_port(), served_name="tiny",
+                             eldr_plugin=False, enforce_eager=True, extra_env=env),
+                  tmp_path / "plain")
+    try:
+        response = httpx.post(f"{plain.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["text"]
+    finally:
+        plain.stop()
+    # The same environment, the same model, eldr's connector configured: refused at start.
+    with pytest.raises(EldrError, match="exited with code"):
+        start(ServerSpec(model=str(tiny_model), port=free_port(), role="plain",
+                         enforce_eager=True, extra_env=env), tmp_path / "eldr")
+    log = next((tmp_path / "eldr").glob("vllm-*.log")).read_text(errors="replace")
+    assert "eldr's plugin is tested on vLLM 0.0.x only" in log
+
+
+def test_pipeline_parallel_on_cpu_is_refused_at_start_by_name(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from stages.engine import on_cpu
+
+    if not on_cpu():
+        pytest.skip("PP is recorded on GPUs (scripts/gpu-check.sh)")
+    with pytest.raises(EldrError, match="exited with code"):
+        start(ServerSpec(model=str(tiny_model), port=free_port(), role="plain",
+                         enforce_eager=True, cpu_cores="0|1",
+                         extra_args=("--pipeline-parallel-size", "2")), tmp_path)
+    log = next(tmp_path.glob("vllm-*.log")).read_text(errors="replace")
+    assert "eldr cannot record expert signatures with pipeline parallel" in log
