@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,12 +131,23 @@ def identity_from_config(config_path: Path, name: str) -> ModelIdentity:
     calls them. The indices follow vLLM's model code; the engine reports the layers it actually
     built, and capture and serve check the two agree (``check_built_layers``)."""
     config = _text_config(config_path)
-    experts = _first(config, "num_local_experts", "num_experts", "n_routed_experts")
-    top_k = _first(config, "num_experts_per_tok", "experts_per_token", "moe_top_k", "top_k_experts")
-    layers = _first(config, "num_hidden_layers", "n_layers")
-    if not experts or not top_k or layers is None:
-        raise EldrError(f"{config_path} does not describe a mixture-of-experts model")
-    moe_layers = moe_layer_indices(config, int(layers))
+    try:
+        # DBRX keeps its expert settings in a nested ffn_config.
+        ffn = config.get("ffn_config")
+        moe = {**config, **ffn} if isinstance(ffn, dict) else config
+        experts = _first(moe, "num_local_experts", "num_experts", "n_routed_experts",
+                         "moe_num_experts")
+        top_k = _first(moe, "num_experts_per_tok", "experts_per_token", "moe_top_k",
+                       "top_k_experts", "moe_k", "moe_topk")
+        if experts is None and "block_configs" in config:
+            raise EldrError("its experts are set per layer in block_configs, which eldr does"
+                            " not read")
+        # A single expert routes nothing (Jamba builds a plain MLP for it).
+        if experts is None or experts < 2 or not top_k:
+            raise EldrError("it does not describe a mixture-of-experts model")
+        moe_layers = moe_layer_indices(config)
+    except EldrError as e:
+        raise EldrError(f"{config_path}: {e}") from None
     if not moe_layers:
         raise EldrError(f"{config_path}: no layer of this model is a mixture-of-experts layer")
     # Variants that keep routing identical (tiny and tiny-wide) share one identity, so their
@@ -144,27 +156,124 @@ def identity_from_config(config_path: Path, name: str) -> ModelIdentity:
     return ModelIdentity(routing_id, len(moe_layers), int(experts), int(top_k), moe_layers)
 
 
-def moe_layer_indices(config: dict[str, Any], num_layers: int) -> tuple[int, ...]:
-    """Which transformer layers vLLM builds as MoE layers, by the keys families use for it."""
+def moe_layer_indices(config: dict[str, Any]) -> tuple[int, ...]:
+    """Which transformer layers vLLM builds as MoE layers: by the rule of the config's family
+    where it has its own, else by the keys several families share."""
+    for family in _FAMILIES:
+        if config.get("model_type") in family.model_types or not family.keys.isdisjoint(config):
+            return tuple(sorted(set(family.moe_layers(config))))
+    return tuple(i for i in range(_layer_count(config)) if _is_moe_by_shared_keys(config, i))
 
-    def is_moe(i: int) -> bool:
-        # DeepSeek V2/V3 (and GLM-4-MoE, Kimi, ...): dense first layers, then every freq-th.
-        if i < int(config.get("first_k_dense_replace") or 0):
-            return False
-        freq = config.get("moe_layer_freq")
-        if isinstance(freq, int) and freq > 1 and i % freq:
-            return False
-        # Qwen2-MoE / Qwen3-MoE: listed dense layers, then every step-th layer.
-        if i in (config.get("mlp_only_layers") or ()):
-            return False
-        step = config.get("decoder_sparse_step")
-        if isinstance(step, int) and step > 1 and (i + 1) % step:
-            return False
-        # Llama 4: MoE every step-th layer, counting from the step-th.
-        step = config.get("interleave_moe_layer_step")
-        return not (isinstance(step, int) and step > 1 and (i + 1) % step)
 
-    return tuple(i for i in range(num_layers) if is_moe(i))
+def _is_moe_by_shared_keys(config: dict[str, Any], i: int) -> bool:
+    # DeepSeek V2/V3 (and GLM-4-MoE, Kimi, Hunyuan V3, ...): dense first layers, then every
+    # freq-th.
+    if i < int(config.get("first_k_dense_replace") or 0):
+        return False
+    freq = config.get("moe_layer_freq")
+    if isinstance(freq, int) and freq > 1 and i % freq:
+        return False
+    # Qwen2-MoE / Qwen3-MoE: listed dense layers, then every step-th layer.
+    if i in (config.get("mlp_only_layers") or ()):
+        return False
+    step = config.get("decoder_sparse_step")
+    if isinstance(step, int) and step > 1 and (i + 1) % step:
+        return False
+    # Llama 4: MoE every step-th layer, counting from the step-th.
+    step = config.get("interleave_moe_layer_step")
+    return not (isinstance(step, int) and step > 1 and (i + 1) % step)
+
+
+# Families that mark their MoE layers with keys of their own. Each rule is the condition in
+# vLLM's model code for the family; a key the config leaves out takes the default of the
+# family's config class, which is what vLLM reads.
+
+
+def _every_layer(config: dict[str, Any]) -> range:
+    # DBRX (DbrxBlock) and Hunyuan V1, which vLLM runs through its Transformers backend
+    # (HunYuanMoEV1DecoderLayer): no dense layer, whatever other keys the config carries.
+    return range(_layer_count(config))
+
+
+def _jamba(config: dict[str, Any]) -> list[int]:
+    # JambaConfig.layers_num_experts, which vLLM's jamba.py builds MoE where it is > 1.
+    period = _int(config, "expert_layer_period", 2, least=1)
+    offset = _int(config, "expert_layer_offset", 1)
+    return [i for i in range(_layer_count(config)) if i % period == offset]
+
+
+def _ernie45_moe(config: dict[str, Any]) -> list[int]:
+    # Ernie4_5_MoeDecoderLayer in vLLM's ernie45_moe.py; Ernie4_5_MoeConfig reads an end
+    # index of -1 as the last layer.
+    if not config.get("use_moe", True):
+        return []
+    layers = _layer_count(config)
+    start = _int(config, "moe_layer_start_index", 1)
+    end = _int(config, "moe_layer_end_index", -1)
+    end = layers - 1 if end == -1 else end
+    interval = _int(config, "moe_layer_interval", 1, least=1)
+    return [i for i in range(layers) if start <= i <= end and (i + 1) % interval == 0]
+
+
+def _arctic(config: dict[str, Any]) -> list[int]:
+    # ArcticMoE.is_moe_layer in vLLM up to 0.27 (vLLM 0.28 dropped Arctic).
+    freq = _int(config, "moe_layer_frequency", 2, least=1)
+    return [i for i in range(_layer_count(config)) if (i + 1) % freq == 0]
+
+
+_NEMOTRON_H_KINDS: dict[str, tuple[type, str, tuple[str, ...]]] = {
+    # NemotronHConfig takes layers_block_type over the older pattern string ('E' = "moe"),
+    # and vLLM's nemotron_h.py builds NemotronHMoEDecoderLayer for exactly those layers.
+    "layers_block_type": (list, "moe", ("moe", "mlp", "full_attention", "linear_attention",
+                                        "attention", "mamba")),
+    "hybrid_override_pattern": (str, "E", tuple("ME*-")),
+}
+
+
+def _nemotron_h(config: dict[str, Any]) -> list[int]:
+    key = "layers_block_type" if config.get("layers_block_type") is not None else (
+        "hybrid_override_pattern")
+    kind_type, moe, known = _NEMOTRON_H_KINDS[key]
+    kinds = config.get(key)
+    if not isinstance(kinds, kind_type) or not kinds or any(k not in known for k in kinds):
+        raise EldrError(f"{key} is {kinds!r}, which eldr cannot read: it expects one of"
+                        f" {', '.join(known)} per layer")
+    return [i for i, kind in enumerate(kinds) if kind == moe]
+
+
+def _step3(config: dict[str, Any]) -> list[int]:
+    # Step3TextDecoderLayer (and Step3p5's) in vLLM: a comma-separated string of layer
+    # indices; without one, every layer but the first.
+    layers = _layer_count(config)
+    listed = config.get("moe_layers_enum")
+    if listed is None:
+        return list(range(1, layers))
+    try:
+        indices = [int(i) for i in listed.strip().split(",")]
+    except (AttributeError, ValueError):
+        raise EldrError(f"moe_layers_enum is {listed!r}, which eldr cannot read: it expects"
+                        " layer indices separated by commas") from None
+    return [i for i in indices if 0 <= i < layers]
+
+
+@dataclass(frozen=True)
+class _Family:
+    model_types: frozenset[str]
+    keys: frozenset[str]  # keys only this family uses: a config with one follows its rule
+    moe_layers: Callable[[dict[str, Any]], Iterable[int]]
+
+
+_FAMILIES = (
+    _Family(frozenset({"jamba"}), frozenset({"expert_layer_period", "expert_layer_offset"}),
+            _jamba),
+    _Family(frozenset({"ernie4_5_moe"}),
+            frozenset({"moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"}),
+            _ernie45_moe),
+    _Family(frozenset({"arctic"}), frozenset({"moe_layer_frequency"}), _arctic),
+    _Family(frozenset({"nemotron_h"}), frozenset({"hybrid_override_pattern"}), _nemotron_h),
+    _Family(frozenset({"step3_text", "step3p5"}), frozenset({"moe_layers_enum"}), _step3),
+    _Family(frozenset({"dbrx", "hunyuan_v1_moe"}), frozenset(), _every_layer),
+)
 
 
 def check_built_layers(identity: ModelIdentity, built: tuple[int, ...], where: str) -> None:
@@ -208,18 +317,49 @@ def check_handoff_compatible(prefill: ResolvedModel, decode: ResolvedModel) -> N
         )
 
 
+# Where multimodal and omni configs keep their language model; Qwen3-Omni nests it twice
+# (thinker_config, then its text_config).
+_NESTED_CONFIG_KEYS = ("thinker_config", "text_config", "language_config", "llm_config")
+
+
 def _text_config(config_path: Path) -> dict[str, Any]:
-    """A Hugging Face config's language-model part (multimodal configs nest it)."""
+    """A Hugging Face config's language-model part."""
     config = json.loads(Path(config_path).read_text())
-    return config.get("text_config", config)
+    while True:
+        inner = next((config[k] for k in _NESTED_CONFIG_KEYS if isinstance(config.get(k), dict)),
+                     None)
+        if inner is None:
+            return config
+        config = inner
 
 
-def _first(config: dict[str, object], *keys: str) -> int | None:
+def _first(config: dict[str, Any], *keys: str) -> int | None:
     for key in keys:
         value = config.get(key)
+        # Hunyuan may give one value per layer; eldr's identity has one for all of them.
+        if isinstance(value, list) and value:
+            if any(v != value[0] for v in value):
+                raise EldrError(f"{key} differs between layers ({value}): eldr needs one value"
+                                " for every MoE layer")
+            value = value[0]
         if isinstance(value, int):
             return value
     return None
+
+
+def _layer_count(config: dict[str, Any]) -> int:
+    layers = _first(config, "num_hidden_layers", "n_layers")
+    if layers is None:
+        raise EldrError("it names no layer count (num_hidden_layers or n_layers)")
+    return layers
+
+
+def _int(config: dict[str, Any], key: str, default: int, least: int | None = None) -> int:
+    value = config.get(key, default)
+    if isinstance(value, int) and (least is None or value >= least):
+        return value
+    wanted = "an integer" if least is None else f"an integer of at least {least}"
+    raise EldrError(f"{key} is {value!r}, which eldr cannot read: it expects {wanted}")
 
 
 def hub_cache_status(hub_id: str) -> str:

@@ -119,6 +119,16 @@ def _gpt_oss() -> dict[str, Any]:
             "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True}
 
 
+def _ernie45_moe() -> dict[str, Any]:
+    # Dense first and last layers (MoE from moe_layer_start_index to moe_layer_end_index) and a
+    # shared expert. The router picks by softmax probability plus a correction bias, left at
+    # zero here (as built), so it picks by logit like the others.
+    return {**_COMMON, "model_type": "ernie4_5_moe", "num_hidden_layers": 4,
+            "intermediate_size": 128, "moe_intermediate_size": 64, "moe_num_experts": 8,
+            "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+            "moe_layer_end_index": 2, "moe_layer_interval": 1, "rope_parameters": _ROPE}
+
+
 def _gemma4() -> dict[str, Any]:
     # Every Gemma 4 MoE layer also keeps its dense MLP (run in parallel), so there is no dense
     # layer; the router reads the residual stream rather than the MLP's normed input.
@@ -140,13 +150,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek-v3", "DeepseekV3ForCausalLM", 3, (1, 2), 8, 2),
     Family("gpt-oss", "GptOssForCausalLM", 2, (0, 1), 8, 2),
     Family("gemma4", "Gemma4ForCausalLM", 2, (0, 1), 8, 2),
+    Family("ernie45-moe", "Ernie4_5_MoeForCausalLM", 4, (1, 2), 8, 2),
 )
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
 
 _CONFIGS: dict[str, Callable[[], dict[str, Any]]] = {
     "mixtral": _mixtral, "qwen2-moe": _qwen2_moe, "qwen3-moe": _qwen3_moe, "olmoe": _olmoe,
     "deepseek-v2": _deepseek_v2, "deepseek-v3": _deepseek_v3, "gpt-oss": _gpt_oss,
-    "gemma4": _gemma4,
+    "gemma4": _gemma4, "ernie45-moe": _ernie45_moe,
 }
 
 
