@@ -223,10 +223,15 @@ def test_a_killed_worker_leaves_routing_is_restarted_and_rejoins(
 ) -> None:
     from stages.serve.config import ProxyConfig
     from stages.serve.proxy import create_app
+    from stages.signature.dataset import ModelIdentity
+    from tests.fakes.worker import SIGNATURE_SHAPE
 
     p0, d0, d1 = workers.servers
+    # Workers rejoin after a self-check, as under eldr serve (the fakes are still starting, so
+    # the proxy's first check of each counts as their start-up one).
     config = ProxyConfig(prefill_urls=(p0.url,), decode_urls=(d0.url, d1.url), policy="rr",
-                         health_interval_s=0.2, health_timeout_s=1.0)
+                         health_interval_s=0.2, health_timeout_s=1.0,
+                         self_check=ModelIdentity("fake", *SIGNATURE_SHAPE, top_k=2))
     supervisor = Supervisor(workers, Backoff(first_s=0.2), poll_s=0.1)
     app = create_app(config, restarts=supervisor.restarts)
     with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=10) as client:
@@ -258,6 +263,11 @@ def test_a_killed_worker_leaves_routing_is_restarted_and_rejoins(
         assert 'eldr_worker_restarts_total{worker="decode-0"} 1.0' in metrics
         assert 'eldr_worker_restarts_total{worker="decode-1"} 0.0' in metrics
         assert 'eldr_worker_restarts_total{worker="prefill-0"} 1.0' in metrics
+        # Each restarted worker passed the self-check again before it rejoined.
+        for role, worker, passes in (("decode", "decode-0", 2), ("decode", "decode-1", 1),
+                                     ("prefill", "prefill-0", 2)):
+            line = f'eldr_worker_self_check_passes_total{{role="{role}",worker="{worker}"}}'
+            assert f"{line} {passes}.0" in metrics
 
 
 def test_keeper_reports_a_killed_worker_as_its_own_exit(workers: ProcessWorkers) -> None:

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from stages.errors import EldrError
 from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
+from stages.serve.config import check_unchecked_policy
 from stages.serve.request_body import bad_request, read_json_body
 from stages.serve.responses import ProxyError, json_error, json_response
 from stages.serve.state import ProxyState
@@ -27,6 +28,19 @@ log = logging.getLogger(__name__)
 _ADMIN_BODY_LIMIT = 64 * 1024
 _POLICY_KEYS = frozenset(("policy", "config", "seed"))
 _ARTIFACT_KEYS = frozenset(("version",))
+
+
+def _self_check_mode(state: ProxyState) -> str:
+    if state.checks is not None:
+        return "on"  # workers rejoin rotation only after passing it
+    return "skipped" if state.config.skip_self_check else "off"
+
+
+def _worker_checks(state: ProxyState, role: str, index: int) -> dict[str, Any] | None:
+    if state.checks is None:
+        return None
+    record = state.checks.record(role, index)
+    return {"verified": record.verified, "passed": record.passed, "failed": record.failed}
 
 
 def snapshot(state: ProxyState) -> dict[str, Any]:
@@ -42,6 +56,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         "artifact_version": router.artifact.version if router.artifact is not None else None,
         "online_refit": refitter is not None,
         "refits": refitter.refits if refitter is not None else 0,
+        "self_check": _self_check_mode(state),
         "decode_workers": [
             {
                 "index": w.index,
@@ -51,6 +66,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "clusters": clusters[w.index],
                 "last_error": w.last_error,
                 "restarts": state.restarts(w.url),
+                "self_check": _worker_checks(state, "decode", w.index),
             }
             for w in state.decode.views()
         ],
@@ -62,6 +78,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "healthy": w.healthy,
                 "last_error": w.last_error,
                 "restarts": state.restarts(w.url),
+                "self_check": _worker_checks(state, "prefill", w.index),
             }
             for w in state.prefill.views()
         ],
@@ -90,6 +107,11 @@ async def set_policy(request: Request) -> Response:
         seed = body.get("seed")
         if seed is not None and (type(seed) is not int or seed < 0):
             raise bad_request(f'"seed" must be an integer >= 0, got {seed!r}', "seed")
+        if state.config.skip_self_check:
+            try:
+                check_unchecked_policy(name)
+            except EldrError as exc:  # a conflict with how the proxy was started, not a typo
+                raise ProxyError(409, str(exc), "conflict", param="policy") from exc
         state.router.set_policy(name, config, seed)
     except ProxyError as exc:
         return exc.response()

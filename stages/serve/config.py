@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stages.errors import EldrError
-from stages.routing.policies import POLICIES
+from stages.routing.policies import POLICIES, reads_signatures
 from stages.routing.policy_config import PolicyConfig
+
+if TYPE_CHECKING:
+    from stages.signature.dataset import ModelIdentity
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,15 @@ class ProxyConfig:
     refit_window_s: float = 5.0
     refit_interval_s: float = 2.0
     seed: int = 0
+    # The served model: a worker (re)joining rotation must first answer a self-check prompt
+    # with a signature of its shape (stages.serve.rejoin). None: no check (a proxy built by
+    # hand, tests); eldr serve sets it unless --skip-self-check.
+    self_check: ModelIdentity | None = None
+    self_check_timeout_s: float = 120.0  # as the start-up check's (self_check.CHECK_TIMEOUT_S)
+    # eldr serve's start-up check passed for every worker: they start verified.
+    checked_at_start: bool = False
+    # --skip-self-check: the workers may be plain vLLM, so no policy may read signatures.
+    skip_self_check: bool = False
     # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and /admin/*, and
     # `admin_api_key` (when set, instead of `api_key`) on /admin/*. `worker_api_key` is what the
     # proxy sends to its workers; a client's own key is never passed on. Kept out of repr so a
@@ -82,6 +95,7 @@ class ProxyConfig:
             "health_timeout_s",
             "refit_window_s",
             "refit_interval_s",
+            "self_check_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise EldrError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -91,6 +105,23 @@ class ProxyConfig:
             raise EldrError("max_body_bytes, max_connections and max_fanout must be >= 1")
         for name in ("api_key", "admin_api_key", "worker_api_key"):
             check_key(name, getattr(self, name))
+        if self.checked_at_start and self.self_check is None:
+            raise EldrError("checked_at_start needs self_check: the model the check was for")
+        if self.skip_self_check:
+            if self.self_check is not None:
+                raise EldrError("skip_self_check and self_check exclude each other")
+            check_unchecked_policy(self.policy)
+
+
+def check_unchecked_policy(policy: str) -> None:
+    """Refuse a policy that reads signatures on workers never shown to record them."""
+    if reads_signatures(policy):
+        blind = ", ".join(name for name in POLICIES if not reads_signatures(name))
+        raise EldrError(
+            f"policy {policy!r} reads expert signatures, but the workers were not self-checked"
+            f" (--skip-self-check) and may send none: use a load balancer ({blind}), or serve"
+            " without --skip-self-check"
+        )
 
 
 def check_key(name: str, key: str | None) -> None:

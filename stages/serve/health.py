@@ -1,7 +1,8 @@
 """Active health probes: every worker's ``/health``, healthy or not, every interval.
 
 A worker leaves routing as soon as it is known down, not when a request next fails on it, and
-rejoins once it answers again (a restarted worker, an attached one that came back). Known down
+rejoins once it answers again (a restarted worker, an attached one that came back) and, when the
+proxy knows the served model, passed the self-check again (stages.serve.rejoin). Known down
 means: nothing accepts the connection (the process is gone), or vLLM answers something other
 than 200 (its engine died). A probe that only times out counts as down after a few in a row: a
 worker busy decoding on a saturated machine may answer late without being broken.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from stages.serve.rejoin import SelfChecks
 from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 from stages.serve.workers import WorkerPool
 
@@ -36,6 +38,8 @@ class Prober:
     session: aiohttp.ClientSession
     timeout: aiohttp.ClientTimeout
     slow_limit: int = SLOW_PROBES_BEFORE_DOWN
+    # None: a worker rejoins at its first 200 (a proxy that does not know the served model).
+    checks: SelfChecks | None = None
     # Probes in a row that got no answer in time, per (role, worker index).
     _slow: dict[tuple[str, int], int] = field(default_factory=dict)
 
@@ -48,20 +52,27 @@ class Prober:
                 status = resp.status
         except NOT_DELIVERED as exc:
             self._slow.pop(key, None)
-            _take_out(pool, index, f"health probe: no connection ({exc.__class__.__name__})")
+            self._down(pool, index, f"health probe: no connection ({exc.__class__.__name__})")
             return
         except UPSTREAM_ERRORS as exc:
             self._slow[key] = self._slow.get(key, 0) + 1
             if self._slow[key] >= self.slow_limit:
-                _take_out(
+                self._down(
                     pool, index, f"health probe: {self._slow[key]} probes in a row failed ({exc!r})"
                 )
             return
         self._slow.pop(key, None)
-        if status == 200:
+        if status != 200:
+            self._down(pool, index, f"health probe: /health answered {status}")
+        elif self.checks is None:
             pool.mark_healthy(index)
-        else:
-            _take_out(pool, index, f"health probe: /health answered {status}")
+        elif not self.checks.trusted(pool, index):
+            self.checks.admit(self.session, pool, index)  # rejoins once it passes
+
+    def _down(self, pool: WorkerPool, index: int, reason: str) -> None:
+        _take_out(pool, index, reason)
+        if self.checks is not None:
+            self.checks.forget(pool, index)
 
     async def probe_all(self, pools: list[WorkerPool]) -> None:
         # Concurrent, so one hanging worker cannot delay news of another.
@@ -73,10 +84,15 @@ async def health_loop(
     pools: list[WorkerPool],
     interval_s: float,
     timeout: aiohttp.ClientTimeout,
+    checks: SelfChecks | None = None,
 ) -> None:
-    prober = Prober(session, timeout)
-    while True:
-        started = time.monotonic()
-        await prober.probe_all(pools)
-        # A fixed cadence: a round that waited on a slow worker does not delay the next one.
-        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+    prober = Prober(session, timeout, checks=checks)
+    try:
+        while True:
+            started = time.monotonic()
+            await prober.probe_all(pools)
+            # A fixed cadence: a round that waited on a slow worker does not delay the next one.
+            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+    finally:
+        if checks is not None:
+            await checks.close()  # no self-check may outlive the session it runs on

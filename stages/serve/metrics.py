@@ -4,6 +4,7 @@ proxies in one process (tests, benches) do not collide."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,6 +18,9 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from stages.serve.workers import WorkerPool
+
+if TYPE_CHECKING:
+    from stages.serve.rejoin import SelfChecks
 
 # Restarts so far of the worker at a URL (eldr serve's supervisor counts them).
 RestartCounts = Callable[[str], int]
@@ -45,6 +49,36 @@ class _Restarts(Collector):
                 family.add_metric([pool.name(i)], self._restarts(url))
         yield family
 
+
+class _SelfCheckCounts(Collector):
+    """``eldr_worker_self_check_passes_total`` and ``..._failures_total``: read from the
+    workers' check records at scrape time, like the restarts."""
+
+    def __init__(self, pools: tuple[WorkerPool, ...], checks: SelfChecks) -> None:
+        self._pools = pools
+        self._checks = checks
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        passes = CounterMetricFamily(
+            "eldr_worker_self_check_passes",
+            "Self-checks a worker passed (eldr serve's start-up check and each rejoin).",
+            labels=["role", "worker"],
+        )
+        failures = CounterMetricFamily(
+            "eldr_worker_self_check_failures",
+            "Self-checks that kept a worker out of rotation (no or a wrong signature, a bad"
+            " answer, no answer in time).",
+            labels=["role", "worker"],
+        )
+        for pool in self._pools:
+            for i in range(len(pool)):
+                record = self._checks.record(pool.role, i)
+                passes.add_metric([pool.role, pool.name(i)], record.passed)
+                failures.add_metric([pool.role, pool.name(i)], record.failed)
+        yield passes
+        yield failures
+
+
 # Routing decisions take microseconds; the default buckets start at 5 ms.
 DECISION_BUCKETS = (
     5e-6,
@@ -64,11 +98,17 @@ DECISION_BUCKETS = (
 
 class ProxyMetrics:
     def __init__(
-        self, decode: WorkerPool, prefill: WorkerPool, restarts: RestartCounts = no_restarts
+        self,
+        decode: WorkerPool,
+        prefill: WorkerPool,
+        restarts: RestartCounts = no_restarts,
+        checks: SelfChecks | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         r.register(_Restarts((prefill, decode), restarts))
+        if checks is not None:
+            r.register(_SelfCheckCounts((prefill, decode), checks))
         self.decisions = Counter(
             "eldr_router_decisions_total",
             "Decode routing decisions.",

@@ -58,6 +58,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                     [state.prefill, state.decode],
                     c.health_interval_s,
                     state.health_timeout,
+                    state.checks,
                 ),
             )
         ]

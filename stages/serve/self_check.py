@@ -1,54 +1,72 @@
-"""Start-up self-check: a worker eldr routes with must really record expert signatures.
+"""Self-check: a worker eldr routes with must really record expert signatures.
 
 A worker in vLLM's compiled mode whose graph lacks eldr's recording hook (plugin missing, or a
 compile cache traced without it) would answer every request with an empty signature, and eldr
-would route blind without a word. One short prompt per worker settles it before the proxy
-opens: a signature of the served model's shape, built MoE layers as the config says, and every
-layer counted.
+would route blind without a word. One short prompt per worker settles it: a signature of the
+served model's shape, built MoE layers as the config says, and every layer counted.
+
+`eldr serve` asks every worker before the proxy opens (``check_records_signatures``, blocking);
+the proxy asks again whenever a worker rejoins rotation (``check_records_signatures_async``, on
+its own aiohttp session; stages.serve.rejoin). Both send ``probe_body`` and judge the answer
+with ``check_answer``, so the two can never disagree on what a valid answer is.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import aiohttp
 import httpx
+import orjson
 
 from stages.errors import EldrError
 from stages.models import check_built_layers
-from stages.serve.upstream import bearer_header
+from stages.serve.upstream import UPSTREAM_ERRORS, bearer_header
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 
 PROBE_PROMPT = "eldr self-check: one short prompt must come back with an expert signature."
+# A worker's first request may still compile or warm caches; a slower answer is a broken one.
+CHECK_TIMEOUT_S = 120.0
 
 
-def check_records_signatures(
-    url: str, identity: ModelIdentity, model_name: str | None, api_key: str | None = None,
-    timeout_s: float = 120.0,
-) -> None:
-    body: dict[str, object] = {"prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
+def probe_body(model_name: str | None) -> dict[str, Any]:
+    """The one completion request every self-check sends (greedy, one token)."""
+    body: dict[str, Any] = {"prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0}
     if model_name:
         body["model"] = model_name
-    headers = bearer_header(api_key)
+    return body
+
+
+def check_answer(url: str, status: int, content: bytes, identity: ModelIdentity) -> None:
+    """Raise an ``EldrError`` saying what is wrong unless the worker's answer to
+    ``probe_body`` (HTTP ``status``, raw ``content``) carries a signature that fits
+    ``identity``: its shape and built MoE layers, and no layer without a count."""
+    if status != 200:
+        text = content[:300].decode(errors="replace")
+        raise EldrError(f"self-check of worker {url} failed: it answered {status}: {text}")
     try:
-        response = httpx.post(
-            f"{url}/v1/completions", json=body, headers=headers, timeout=timeout_s
-        )
-        response.raise_for_status()
-        params = response.json().get("kv_transfer_params")
-    except (httpx.HTTPError, ValueError) as exc:
-        raise EldrError(f"self-check of worker {url} failed: {exc}") from exc
-    counts = wire.decode(params if isinstance(params, dict) else None)
+        answer = orjson.loads(content)
+    except orjson.JSONDecodeError as exc:
+        raise EldrError(
+            f"self-check of worker {url} failed: its answer is not JSON ({exc})"
+        ) from exc
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    params = params if isinstance(params, dict) else None
+    counts = wire.decode(params)
     if counts is None:
         raise EldrError(
             f"worker {url} returns no expert signature: start it with eldr installed and"
             f" --kv-transfer-config naming EldrSignatureConnector (see README, 'In front of"
-            f" your vLLM workers'), or choose a policy that needs none (--policy jsq)"
+            f" your vLLM workers'), or serve with a policy that reads none and"
+            f" --skip-self-check"
         )
     if counts.shape != identity.shape:
         raise EldrError(
             f"worker {url} records signatures of shape {counts.shape}, but the served model"
             f" {identity.describe()} has {identity.shape}: is it serving another model?"
         )
-    built = wire.decode_moe_layers(params if isinstance(params, dict) else None)
+    built = wire.decode_moe_layers(params)
     if built is not None:
         check_built_layers(identity, built, f"worker {url}")
     if len(wire.empty_layers(counts)):
@@ -58,3 +76,32 @@ def check_records_signatures(
             " eldr, or a MoE kernel that routes inside the kernel). Restart it, or run it"
             " with --enforce-eager"
         )
+
+
+def check_records_signatures(
+    url: str, identity: ModelIdentity, model_name: str | None, api_key: str | None = None,
+    timeout_s: float = CHECK_TIMEOUT_S,
+) -> None:
+    """Start-up check (blocking, before the proxy's event loop exists)."""
+    try:
+        response = httpx.post(f"{url}/v1/completions", json=probe_body(model_name),
+                              headers=bearer_header(api_key), timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise EldrError(f"self-check of worker {url} failed: {exc!r}") from exc
+    check_answer(url, response.status_code, response.content, identity)
+
+
+async def check_records_signatures_async(
+    session: aiohttp.ClientSession, url: str, identity: ModelIdentity, model_name: str | None,
+    timeout: aiohttp.ClientTimeout,
+) -> None:
+    """Run-time check on the proxy's session (which already sends the worker key)."""
+    try:
+        async with session.post(
+            f"{url}/v1/completions", json=probe_body(model_name), timeout=timeout
+        ) as resp:
+            content = await resp.read()
+            status = resp.status
+    except UPSTREAM_ERRORS as exc:
+        raise EldrError(f"self-check of worker {url} failed: {exc!r}") from exc
+    check_answer(url, status, content, identity)

@@ -15,6 +15,7 @@ from stages.serve.decode_router import DecodeRouter
 from stages.serve.metrics import ProxyMetrics, RestartCounts, no_restarts
 from stages.serve.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.prefill_router import PrefillRouter
+from stages.serve.rejoin import SelfChecks
 from stages.serve.upstream import leg_timeout
 from stages.serve.workers import WorkerPool
 
@@ -31,6 +32,8 @@ class ProxyState:
     metrics: ProxyMetrics
     artifact_loader: ArtifactLoader
     restarts: RestartCounts = no_restarts
+    # Self-checks of workers (re)joining rotation; None when the proxy does not know the model.
+    checks: SelfChecks | None = None
     # Built once from the config: the per-request path only passes them along.
     prefill_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
     decode_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
@@ -90,6 +93,13 @@ def build_state(
         )
     decode = WorkerPool(config.decode_urls, "decode")
     prefill = WorkerPool(config.prefill_urls, "prefill")
+    checks = None
+    if config.self_check is not None:
+        checks = SelfChecks(
+            config.self_check, config.model,
+            leg_timeout(config.self_check_timeout_s, config.connect_timeout_s),
+            (prefill, decode), restarts, verified_at_start=config.checked_at_start,
+        )
     router = DecodeRouter(
         len(decode), config.policy, artifact, seed=config.seed, refitter=refitter,
         worker_slots=config.decode_slots, policy_config=config.policy_config,
@@ -101,7 +111,8 @@ def build_state(
         decode=decode,
         prefill_router=PrefillRouter(config.prefill_urls),
         router=router,
-        metrics=ProxyMetrics(decode, prefill, restarts),
+        metrics=ProxyMetrics(decode, prefill, restarts, checks),
         artifact_loader=artifact_loader,
         restarts=restarts,
+        checks=checks,
     )

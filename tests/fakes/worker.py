@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from stages.serve.self_check import PROBE_PROMPT
 from stages.signature import wire
 
 SIGNATURE_SHAPE = (4, 16)
@@ -85,6 +86,8 @@ class FakeBehavior:
     # rotation (the proxy's probes would keep one that is down from the start out of it).
     sick_after_request: bool = False
     signature: Callable[[dict[str, Any]], np.ndarray | None] = domain_signature
+    # Raw 200 body for eldr's self-check prompt instead of a completion with ``signature``.
+    self_check_reply: bytes | None = None
     received: list[Received] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -94,6 +97,7 @@ class FakeBehavior:
         self.healthy = True
         self.sick_after_request = False
         self.signature = domain_signature
+        self.self_check_reply = None
         self.received.clear()
 
 
@@ -137,6 +141,17 @@ def _kv_transfer_params(behavior: FakeBehavior, body: dict[str, Any]) -> dict[st
     return kv
 
 
+def _self_check_answer(behavior: FakeBehavior, body: dict[str, Any]) -> Response:
+    # An eldr worker returns the prompt's signature on any request it finished itself.
+    if behavior.self_check_reply is not None:
+        return Response(behavior.self_check_reply, media_type="application/json")
+    data = _completion(behavior, body, False, 1)
+    counts = behavior.signature(body)
+    if counts is not None:
+        data["kv_transfer_params"] = wire.encode(counts)
+    return Response(orjson.dumps(data), media_type="application/json")
+
+
 def create_fake_worker(behavior: FakeBehavior) -> Starlette:
     async def completion(request: Request) -> Response:
         chat = request.url.path.endswith("/chat/completions")
@@ -151,6 +166,8 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
             err = {"error": {"message": f"{behavior.name} told to fail", "code": 0}}
             return Response(orjson.dumps(err), behavior.fail_status, media_type="application/json")
         headers = {"X-Request-Id": request.headers.get("x-request-id", "")}
+        if prompt_text(body) == PROBE_PROMPT:
+            return _self_check_answer(behavior, body)
         if rec.is_prefill:
             data = _completion(behavior, body, chat, 1)
             data["kv_transfer_params"] = _kv_transfer_params(behavior, body)

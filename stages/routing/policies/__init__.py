@@ -57,8 +57,15 @@ def needs_centroids(name: str) -> bool:
     return cls is not None and issubclass(cls, EldrPolicy)
 
 
+def reads_signatures(name: str) -> bool:
+    """Whether policy ``name`` reads the prefill's signature (as features or raw counts), so
+    its workers must record them (the serve self-check); load balancers read neither."""
+    cls = POLICIES.get(name)
+    return cls is not None and (cls.uses_signature or cls.uses_counts)
+
+
 __all__ = [
     "POLICIES", "DecodePolicy", "EldrBoundedParams", "EldrBoundedPolicy", "EldrParams",
     "EldrPolicy", "EldrUnionPolicy", "RoutingRequest", "UnionParams",
-    "make_policy", "needs_centroids", "policy_class", "policy_params",
+    "make_policy", "needs_centroids", "policy_class", "policy_params", "reads_signatures",
 ]
