@@ -18,7 +18,7 @@ from eldr_cli.options import (
 )
 from stages import paths
 from stages.errors import EldrError
-from stages.routing.policies import POLICIES, needs_centroids
+from stages.routing.policies import POLICIES, needs_centroids, reads_signatures
 
 
 def serve(
@@ -77,6 +77,12 @@ def serve(
     worker_api_key: Annotated[str | None, typer.Option(
         envvar="ELDR_WORKER_API_KEY", help="Key the proxy sends to attached workers started"
         " with vLLM's --api-key.", show_default=False)] = None,
+    skip_self_check: Annotated[bool, typer.Option(
+        "--skip-self-check", help="Do not check that workers record expert signatures (at"
+        " start, and each time one rejoins rotation): for plain vLLM workers behind a load"
+        " balancer. Only with a policy that reads none"
+        f" ({', '.join(n for n in POLICIES if not reads_signatures(n))}); the admin API then"
+        " refuses the others.")] = False,
     log_level: Annotated[str, typer.Option(
         help="Proxy log level: debug, info, warning, error (worker logs go to their files).",
         case_sensitive=False)] = "warning",
@@ -88,7 +94,7 @@ def serve(
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.auth import warn_if_exposed
-    from stages.serve.config import ProxyConfig, check_key
+    from stages.serve.config import ProxyConfig, check_key, check_unchecked_policy
     from stages.serve.engine_args import engine_args
     from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.metrics import no_restarts
@@ -101,6 +107,8 @@ def serve(
     if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
         raise EldrError(f"--log-level {log_level!r}: use debug, info, warning or error")
     options = policy_config(policy_options)
+    if skip_self_check:
+        check_unchecked_policy(policy)
     extra_args = engine_args(vllm_arg or ())
     if not (attach_prefill or attach_decode):
         check_vllm()  # attached workers run their own vLLM: the self-check covers them
@@ -162,6 +170,9 @@ def serve(
         artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
         decode_slots=None if attach else max_num_seqs, model_top_k=resolved.identity.top_k,
         api_key=api_key, admin_api_key=admin_api_key, worker_api_key=worker_api_key,
+        # Checked below before the proxy opens; the proxy checks each worker that rejoins.
+        self_check=None if skip_self_check else resolved.identity,
+        checked_at_start=not skip_self_check, skip_self_check=skip_self_check,
     )
     check_free("--port", [port], host)
     supervisor = None
@@ -177,7 +188,7 @@ def serve(
 
             with tqdm(total=prefill + decode, desc="workers ready", unit="worker") as bar:
                 cluster.start(on_ready=lambda server: bar.update(1))
-        if needs_centroids(policy):
+        if not skip_self_check:  # every worker, started or attached, whatever the policy
             for url in (*prefill_urls, *decode_urls):
                 check_records_signatures(url, resolved.identity, served_as, worker_api_key)
         if cluster is not None:
