@@ -3,8 +3,9 @@
 
 One `eldr serve --prefill 1 --decode 1` serves the whole module, in this order: listeners are
 checked on loopback, the decode worker and then the prefill worker are killed with no traffic
-(each must leave routing within 5 s and serve again within 2 min, no request failing after),
-and last `eldr serve` is killed with SIGKILL: nothing it started may be left 10 s later.
+(each must leave routing within 5 s and serve again within 2 min, having passed the self-check
+again, no request failing after), and last `eldr serve` is killed with SIGKILL: nothing it
+started may be left 10 s later.
 """
 
 from __future__ import annotations
@@ -131,6 +132,12 @@ def test_a_killed_worker_leaves_routing_at_once_and_serves_again(
     assert [w["restarts"] for w in state[f"{role}_workers"]] == [1]
     metrics = httpx.get(f"{served.url}/metrics", timeout=5).text
     assert f'eldr_worker_restarts_total{{worker="{role}-0"}} 1.0' in metrics
+    # It rejoined only after its self-check passed again: once at start, once after restart.
+    assert state["self_check"] == "on"
+    assert state[f"{role}_workers"][0]["self_check"] == {"verified": True, "passed": 2,
+                                                         "failed": 0}
+    passes = f'eldr_worker_self_check_passes_total{{role="{role}",worker="{role}-0"}} 2.0'
+    assert passes in metrics
     print(f"\n{role} worker out of routing {out:.1f} s and back {back:.0f} s after SIGKILL of"
           f" its {victim}")
 
