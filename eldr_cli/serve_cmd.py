@@ -60,6 +60,12 @@ def serve(
                                               " --max-num-seqs).")] = 8,
     max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len.")] = 1024,
     enforce_eager: EagerOption = False,
+    prefill_tp: Annotated[int, typer.Option(
+        "--prefill-tp", min=1, help="vLLM --tensor-parallel-size of each started prefill"
+        " worker (GPUs each; on CPU, a core per rank).")] = 1,
+    decode_tp: Annotated[int, typer.Option(
+        "--decode-tp", min=1, help="vLLM --tensor-parallel-size of each started decode"
+        " worker.")] = 1,
     served_model_name: Annotated[str | None, typer.Option(
         help="Model name clients use (vLLM --served-model-name). Default: --model as typed.",
         show_default=False)] = None,
@@ -91,11 +97,12 @@ def serve(
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
     the routing proxy in front of them. A started worker whose process ends is restarted.
     Ctrl-C or SIGTERM stops everything started, and so does this process's death."""
+    from stages.engine import on_cpu
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.auth import warn_if_exposed
     from stages.serve.config import ProxyConfig, check_key, check_unchecked_policy
-    from stages.serve.engine_args import engine_args
+    from stages.serve.engine_args import check_recordable, engine_args
     from stages.serve.launcher import Cluster, ClusterSpec
     from stages.serve.metrics import no_restarts
     from stages.serve.ports import check_free
@@ -110,6 +117,8 @@ def serve(
     if skip_self_check:
         check_unchecked_policy(policy)
     extra_args = engine_args(vllm_arg or ())
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        check_recordable(extra_args, tp, on_cpu(), role)
     if not (attach_prefill or attach_decode):
         check_vllm()  # attached workers run their own vLLM: the self-check covers them
     served_as = served_model_name or model
@@ -156,7 +165,7 @@ def serve(
             max_num_seqs=max_num_seqs, log_dir=paths.eldr_home() / "logs",
             worker_cores=tuple(worker_cores.split("|")) if worker_cores else None,
             enforce_eager=enforce_eager,
-            extra_args=extra_args,
+            extra_args=extra_args, prefill_tp=prefill_tp, decode_tp=decode_tp,
         ))
         prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
         taken = {s.port for s in cluster.specs} | {s.nixl_side_channel_port for s in cluster.specs}
