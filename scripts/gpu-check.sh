@@ -8,8 +8,9 @@
 #      Face router (>= 0.98, near-ties aside), prefix-cache hits must equal cold runs, and
 #      (with two GPUs) a TP=2 engine must record what TP=1 records;
 #   4. vLLM keeps async scheduling on with eldr's connector; with two GPUs, pipeline parallel
-#      (PP=2) records every MoE layer, merged in layer order, equal to PP=1; data parallel and
-#      dual-batch overlap are refused at start, by name;
+#      (PP=2) records every MoE layer, merged in layer order, and expert parallel over two TP
+#      ranks records logical ids, each equal to one GPU's engine; data parallel and dual-batch
+#      overlap are refused at start, by name;
 #   5. measures engine throughput with and without eldr's recording, side by side.
 # Prints everything; exits non-zero if a check fails. Meant to take under 10 minutes on one
 # H200 (not yet run: no GPU was lent); with one GPU, step 3's TP case and step 4's PP, DP and

@@ -266,6 +266,7 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
         (["--vllm-arg=--data-parallel-size 2"], "data parallel (--data-parallel-size 2)"),
         (["--vllm-arg=-dp=2 --enable-expert-parallel"], "data parallel"),
         (["--vllm-arg=--enable-dbo"], "micro-batching"),
+        (["--vllm-arg=--enable-expert-parallel"], "expert parallel (--enable-expert-parallel)"),
         (["--vllm-arg=--pipeline-parallel-size 2"], "pipeline parallel"),
         (["--vllm-arg=--decode-context-parallel-size two"], "invalid int value"),
         (["--log-level", "loud"], "use debug, info, warning or error"),

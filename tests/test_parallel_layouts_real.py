@@ -57,6 +57,19 @@ def test_pipeline_parallel_records_every_layer_like_one_engine(tmp_path: Path) -
 
 
 @two_gpus
+def test_expert_parallel_over_tensor_ranks_records_like_one_engine(tmp_path: Path) -> None:
+    results = {}
+    for name, kwargs in (("one", {}), ("ep2", {"tensor_parallel_size": 2,
+                                               "enable_expert_parallel": True})):
+        run = capture(kwargs, tmp_path / f"{name}.npz")
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[name] = np.load(tmp_path / f"{name}.npz")
+    one, two = results["one"]["signatures"], results["ep2"]["signatures"]
+    np.testing.assert_array_equal(two.sum(2), one.sum(2))  # each token once, logical ids
+    assert np.abs(one.astype(int) - two).sum() / 2 / one.sum() < 0.01
+
+
+@two_gpus
 @pytest.mark.parametrize(("kwargs", "named"), [
     ({"data_parallel_size": 2, "enable_expert_parallel": True}, "with data parallel"),
     ({"enable_dbo": True}, "with micro-batching"),

@@ -256,6 +256,7 @@ def test_a_step_split_into_micro_batches_is_refused(monkeypatch: pytest.MonkeyPa
     (ParallelLayout(decode_context=2), "context parallel"),
     (ParallelLayout(prefill_context=2), "context parallel"),
     (ParallelLayout(pipeline=2, on_cpu=True), "pipeline parallel (--pipeline-parallel-size 2)"),
+    (ParallelLayout(tensor=2, expert=True, on_cpu=True), "expert parallel"),
 ])
 def test_layouts_eldr_cannot_record_are_refused_by_name(
     layout: ParallelLayout, named: str
@@ -268,6 +269,7 @@ def test_layouts_eldr_cannot_record_are_refused_by_name(
 @pytest.mark.parametrize("layout", [
     ParallelLayout(), ParallelLayout(tensor=2, on_cpu=True), ParallelLayout(tensor=8),
     ParallelLayout(pipeline=2, tensor=4), ParallelLayout(tensor=4, pipeline=2, on_cpu=False),
+    ParallelLayout(tensor=8, expert=True),
 ])
 def test_layouts_eldr_records(layout: ParallelLayout) -> None:
     check_layout(layout)
@@ -279,7 +281,9 @@ def test_layout_is_read_off_vllms_parallel_config() -> None:
     config = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=1)
     assert ParallelLayout.of_engine(config, on_cpu=True) == ParallelLayout(tensor=2, on_cpu=True)
     config.enable_dbo = True
-    assert ParallelLayout.of_engine(config, on_cpu=False).micro_batches == 2
+    config.enable_expert_parallel = True
+    layout = ParallelLayout.of_engine(config, on_cpu=False)
+    assert (layout.micro_batches, layout.expert) == (2, True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -7,7 +7,8 @@ token's picks filed under the KV block that token's KV lands in. That holds when
   replicated), so the first rank of each pipeline stage records and the others do not;
 - expert parallel over TP ranks only (``--enable-expert-parallel``, DP=1): experts are sharded,
   the tokens and the routing are not; vLLM hands the hook logical expert ids (before EPLB's
-  mapping), so EPLB is fine too;
+  mapping), so EPLB is fine too. vLLM 0.32's CPU build crashes with it (a segfault in
+  ``cpu_fused_moe``, with or without eldr), so on CPU it is refused here;
 - pipeline parallel (PP): each stage records its own MoE layers and vLLM merges the stages'
   reports (``StepReport.aggregate``); vLLM's CPU build fails at PP > 1 itself, so on CPU it is
   refused here rather than left to fail deep in a worker.
@@ -36,6 +37,7 @@ class ParallelLayout:
     prefill_context: int = 1
     decode_context: int = 1
     micro_batches: int = 1  # 2 with dual-batch overlap, ubatch_size otherwise
+    expert: bool = False  # --enable-expert-parallel
     on_cpu: bool = False
 
     @classmethod
@@ -49,7 +51,9 @@ class ParallelLayout:
             data=size("data_parallel_size"),
             prefill_context=size("prefill_context_parallel_size"),
             decode_context=size("decode_context_parallel_size"),
-            micro_batches=micro, on_cpu=on_cpu,
+            micro_batches=micro,
+            expert=bool(getattr(parallel_config, "enable_expert_parallel", False)),
+            on_cpu=on_cpu,
         )
 
     def refusal(self) -> str | None:
@@ -72,6 +76,12 @@ class ParallelLayout:
                 "context parallel (--prefill-context-parallel-size /"
                 " --decode-context-parallel-size > 1): a rank holds only part of a request's"
                 " KV blocks, so its signature table cannot sum a request's prompt"
+            )
+        if self.expert and self.on_cpu:
+            return (
+                "expert parallel (--enable-expert-parallel) on vLLM's CPU build, which crashes"
+                " with it (a segfault in its fused MoE kernel, with or without eldr); eldr"
+                " records EP over TP ranks on GPUs (scripts/gpu-check.sh)"
             )
         if self.pipeline > 1 and self.on_cpu:
             return (

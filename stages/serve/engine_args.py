@@ -60,6 +60,7 @@ def parallel_layout(args: Sequence[str], tensor: int, on_cpu: bool) -> ParallelL
     parser.add_argument("--prefill-context-parallel-size", "-pcp", type=int, default=1)
     parser.add_argument("--ubatch-size", type=int, default=1)
     parser.add_argument("--enable-dbo", action="store_true")
+    parser.add_argument("--enable-expert-parallel", "-ep", action="store_true")
     try:
         known, _ = parser.parse_known_args(list(args))
     except argparse.ArgumentError as exc:
@@ -68,7 +69,8 @@ def parallel_layout(args: Sequence[str], tensor: int, on_cpu: bool) -> ParallelL
         tensor=tensor, pipeline=known.pipeline_parallel_size, data=known.data_parallel_size,
         prefill_context=known.prefill_context_parallel_size,
         decode_context=known.decode_context_parallel_size,
-        micro_batches=2 if known.enable_dbo else known.ubatch_size, on_cpu=on_cpu,
+        micro_batches=2 if known.enable_dbo else known.ubatch_size,
+        expert=known.enable_expert_parallel, on_cpu=on_cpu,
     )
 
 
