@@ -266,15 +266,15 @@ def rank_binding(cores: list[int], ranks: int, allowed: list[int]) -> str:
 
     vLLM's CPU build runs each rank in its own process and needs one core group per rank
     (``"0|1"``); without it, it refuses ("Not enough allowed NUMA nodes"). The worker's own
-    ``cores`` are split among its ranks; a worker with fewer cores than ranks takes the first
-    ``ranks`` of the ``allowed`` cores, shared with other workers, which is slow but runs.
+    ``cores`` are split among its ranks; a worker with fewer cores than ranks stacks its ranks
+    on them (``"1|1"``), slow but without taking cores another worker computes on. A worker
+    without cores of its own uses the ``allowed`` ones.
     """
-    if ranks > len(allowed):
-        raise EldrError(
-            f"tensor parallel size {ranks} on CPU needs a core per rank, and this process may"
-            f" use {len(allowed)} ({','.join(map(str, allowed))})"
-        )
-    pool = cores if len(cores) >= ranks else allowed[:ranks]
+    pool = cores or allowed
+    if not pool:
+        raise EldrError(f"tensor parallel size {ranks} on CPU: this process may use no core")
+    if len(pool) < ranks:
+        return "|".join(str(pool[rank % len(pool)]) for rank in range(ranks))
     share = len(pool) // ranks
     groups = [pool[rank * share : (rank + 1) * share] for rank in range(ranks)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)

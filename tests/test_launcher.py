@@ -230,10 +230,10 @@ def test_tensor_parallel_workers_bind_one_core_group_per_rank() -> None:
 
     assert rank_binding([0, 1], 2, [0, 1]) == "0|1"
     assert rank_binding([2, 3, 4, 5], 2, [0, 1, 2, 3, 4, 5]) == "2-3|4-5"
-    # A worker with one core of its own shares the machine's first cores among its ranks.
-    assert rank_binding([1], 2, [0, 1]) == "0|1"
-    with pytest.raises(EldrError, match="needs a core per rank, and this process may use 2"):
-        rank_binding([0, 1], 4, [0, 1])
+    # A worker with fewer cores than ranks stacks them, leaving other workers' cores alone.
+    assert rank_binding([1], 2, [0, 1]) == "1|1"
+    assert rank_binding([], 2, [0, 1]) == "0|1"
+    assert rank_binding([0, 1], 4, [0, 1]) == "0|1|0|1"
 
 
 def test_cluster_gives_its_tensor_parallel_decode_worker_a_core_per_rank(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -244,4 +244,4 @@ def test_cluster_gives_its_tensor_parallel_decode_worker_a_core_per_rank(monkeyp
     spec = launcher.ClusterSpec(model="/m", served_name="m", prefill=1, decode=1, decode_tp=2)
     prefill, decode = launcher.worker_specs(spec, [1, 2])
     assert (prefill.cpu_cores, prefill.tensor_parallel_size) == ("0", 1)
-    assert (decode.cpu_cores, decode.tensor_parallel_size) == ("0|1", 2)
+    assert (decode.cpu_cores, decode.tensor_parallel_size) == ("1|1", 2)
