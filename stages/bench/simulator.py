@@ -476,7 +476,7 @@ def _check_inputs(config: SimConfig, arrays: SignatureArrays, artifact: object |
             f"cost model is for {config.cost.num_layers} MoE layers, the dataset has"
             f" {num_layers}; fit or choose a cost model for this model"
         )
-    needs = [p for p in config.policies if POLICIES[p].uses_signature]
+    needs = [p for p in config.policies if POLICIES[p].needs_centroids]
     if needs and artifact is None:
         raise EldrError(f"policy {needs[0]!r} needs a fitted artifact (eldr fit) to simulate")
 
@@ -507,7 +507,7 @@ def simulate_segments(
         context = RoutingContext(
             config.num_decode,
             seed=config.seed,
-            centroids=centroids if POLICIES[name].uses_signature else None,
+            centroids=centroids if POLICIES[name].needs_centroids else None,
             worker_slots=config.max_batch,
             top_k=top_k,
             cost=config.cost if config.policies_know_cost else None,

@@ -21,7 +21,6 @@ from stages.routing.context import RoutingContext
 from stages.routing.inputs import routing_inputs
 from stages.routing.policies import (
     DecodePolicy,
-    EldrPolicy,
     RoutingRequest,
     make_policy,
 )
@@ -128,7 +127,7 @@ class DecodeRouter:
     def set_artifact(self, artifact: ArtifactLike) -> None:
         top_k = self._top_k()
         self._install(artifact)
-        if isinstance(self.policy, EldrPolicy):
+        if self.policy.needs_centroids:
             self.policy.set_centroids(self._centroids, self._worker_of_centroid)
         elif self.policy.uses_counts and self._top_k() != top_k:
             # A new top-k is a new reading of every count; in-flight requests keep completing
@@ -218,7 +217,7 @@ class DecodeRouter:
         assert self._worker_of_centroid is not None  # a job exists only with centroids
         self._centroids = result.centroids
         self._worker_of_centroid = self._worker_of_centroid[result.replaces]
-        if isinstance(self.policy, EldrPolicy):
+        if self.policy.needs_centroids:
             self.policy.set_centroids(self._centroids, self._worker_of_centroid)
         self.refitter.mark_done(now)
         return True

@@ -54,7 +54,7 @@ def make_policy(
 def needs_centroids(name: str) -> bool:
     """Whether policy ``name`` routes by centroids (and so needs a fitted artifact)."""
     cls = POLICIES.get(name)
-    return cls is not None and issubclass(cls, EldrPolicy)
+    return cls is not None and cls.needs_centroids
 
 
 def reads_signatures(name: str) -> bool:

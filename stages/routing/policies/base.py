@@ -37,6 +37,9 @@ class DecodePolicy(ABC):
     name: ClassVar[str] = "base"
     uses_signature: ClassVar[bool] = False  # reads ``features`` (needs an artifact)
     uses_counts: ClassVar[bool] = False  # reads ``counts`` (no artifact needed)
+    # Routes by fitted centroids: serving and the simulator must load an artifact first, and
+    # ``set_centroids`` receives every new one (a refit, a switched artifact).
+    needs_centroids: ClassVar[bool] = False
     # The policy's user options: a frozen dataclass whose every field has a default.
     Params: ClassVar[type[Any]] = NoParams
 
@@ -48,6 +51,12 @@ class DecodePolicy(ABC):
     @abstractmethod
     def choose(self, request: RoutingRequest) -> int:
         """Index of the decode worker for this request (must be eligible)."""
+
+    def set_centroids(  # noqa: B027
+        self, centroids: np.ndarray, worker_of_centroid: np.ndarray | None = None
+    ) -> None:
+        """New centroids ``[K, D]`` and the worker serving each; only policies that declare
+        ``needs_centroids`` read them."""
 
     def on_dispatch(  # noqa: B027
         self, worker: int, request: RoutingRequest, key: Hashable

@@ -41,6 +41,7 @@ class EldrParams:
 class EldrPolicy(DecodePolicy):
     name: ClassVar[str] = "eldr"
     uses_signature: ClassVar[bool] = True
+    needs_centroids: ClassVar[bool] = True
     Params: ClassVar[type[EldrParams]] = EldrParams
     params: EldrParams
 
