@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
-from types import FrameType
 from typing import Annotated
 
 import typer
@@ -16,9 +14,7 @@ from eldr_cli.options import (
     SeedOption,
     policy_config,
 )
-from stages import paths
-from stages.errors import EldrError
-from stages.routing.policies import POLICIES, needs_centroids, reads_signatures
+from stages.routing.policies import POLICIES, reads_signatures
 
 
 def serve(
@@ -97,124 +93,21 @@ def serve(
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
     the routing proxy in front of them. A started worker whose process ends is restarted.
     Ctrl-C or SIGTERM stops everything started, and so does this process's death."""
-    from stages.engine import on_cpu
-    from stages.fit.artifact import load_for_serving
-    from stages.models import check_handoff_compatible, resolve_model
-    from stages.serve.auth import warn_if_exposed
-    from stages.serve.config import ProxyConfig, check_key, check_unchecked_policy
-    from stages.serve.engine_args import check_recordable, engine_args
-    from stages.serve.launcher import Cluster, ClusterSpec
-    from stages.serve.metrics import no_restarts
-    from stages.serve.ports import check_free
-    from stages.serve.proxy import run_proxy
-    from stages.serve.self_check import check_records_signatures
-    from stages.serve.supervisor import Supervisor
-    from stages.vllm_compat import check_vllm
+    from stages.serve import deploy
 
-    if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-        raise EldrError(f"--log-level {log_level!r}: use debug, info, warning or error")
-    options = policy_config(policy_options)
-    if skip_self_check:
-        check_unchecked_policy(policy)
-    extra_args = engine_args(vllm_arg or ())
-    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-        check_recordable(extra_args, tp, on_cpu(), role)
-    if not (attach_prefill or attach_decode):
-        check_vllm()  # attached workers run their own vLLM: the self-check covers them
-    served_as = served_model_name or model
-    attach = bool(attach_prefill or attach_decode)
-    for name, key in (("--api-key", api_key), ("--admin-api-key", admin_api_key),
-                      ("--worker-api-key", worker_api_key)):
-        check_key(name, key)  # before anything starts
-    exposed = warn_if_exposed(host, api_key)
-    if exposed is not None:
-        typer.secho(f"eldr: warning: {exposed}", fg=typer.colors.YELLOW, err=True)
-    if attach and extra_args:
-        raise EldrError("--vllm-arg configures workers eldr starts; it cannot be used with"
-                        " --attach-*")
-    if attach and nixl_port is not None:
-        raise EldrError("--nixl-port configures workers eldr starts; it cannot be used with"
-                        " --attach-*")
-    if attach and not (attach_prefill and attach_decode):
-        raise EldrError("--attach-prefill and --attach-decode must be given together")
-    store_path = store or paths.default_artifact_store()
-    resolved = resolve_model(model)
-    prefill_resolved = None
-    if prefill_model is not None:
-        if attach_prefill or attach_decode:
-            raise EldrError("--prefill-model starts workers; it cannot be used with --attach-*")
-        prefill_resolved = resolve_model(prefill_model)
-        check_handoff_compatible(prefill_resolved, resolved)
-    num_decode = len(attach_decode) if attach_decode else decode
-    if needs_centroids(policy):
-        load_for_serving(store_path, artifact, resolved.identity, num_decode)
-
-    def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    # Everything is checked before the first worker starts: the cluster's specs (cores, free
-    # worker and NIXL ports) and the proxy's whole config, built on the URLs workers will have.
-    cluster = None
-    if attach:
-        prefill_urls, decode_urls = list(attach_prefill or []), list(attach_decode or [])
-    else:
-        cluster = Cluster(ClusterSpec(
-            model=resolved.source, served_name=served_as, prefill=prefill, decode=decode,
-            prefill_model=prefill_resolved.source if prefill_resolved else None,
-            base_port=worker_port, nixl_base_port=nixl_port, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, log_dir=paths.eldr_home() / "logs",
-            worker_cores=tuple(worker_cores.split("|")) if worker_cores else None,
-            enforce_eager=enforce_eager,
-            extra_args=extra_args, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        ))
-        prefill_urls, decode_urls = cluster.prefill_urls, cluster.decode_urls
-        taken = {s.port for s in cluster.specs} | {s.nixl_side_channel_port for s in cluster.specs}
-        if port in taken:
-            raise EldrError(f"--port {port} is also a port of a started worker (--worker-port"
-                            f" {worker_port}, {prefill + decode} workers, or --nixl-port)")
-    use_store = needs_centroids(policy) or store_path.exists()
-    config = ProxyConfig(
-        prefill_urls=tuple(prefill_urls), decode_urls=tuple(decode_urls), policy=policy,
-        policy_config=options, artifact_store=store_path if use_store else None,
-        artifact_version=artifact, model=served_as, online_refit=online_refit, seed=seed,
-        decode_slots=None if attach else max_num_seqs, model_top_k=resolved.identity.top_k,
-        api_key=api_key, admin_api_key=admin_api_key, worker_api_key=worker_api_key,
-        # Checked below before the proxy opens; the proxy checks each worker that rejoins.
-        self_check=None if skip_self_check else resolved.identity,
-        checked_at_start=not skip_self_check, skip_self_check=skip_self_check,
+    options = deploy.ServeOptions(
+        model=model, prefill_model=prefill_model, prefill=prefill, decode=decode, policy=policy,
+        policy_config=policy_config(policy_options), artifact=artifact, store=store, host=host,
+        port=port, worker_port=worker_port, nixl_port=nixl_port,
+        attach_prefill=tuple(attach_prefill or ()), attach_decode=tuple(attach_decode or ()),
+        online_refit=online_refit, worker_cores=worker_cores, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, enforce_eager=enforce_eager, prefill_tp=prefill_tp,
+        decode_tp=decode_tp, served_model_name=served_model_name,
+        vllm_args=tuple(vllm_arg or ()), api_key=api_key, admin_api_key=admin_api_key,
+        worker_api_key=worker_api_key, skip_self_check=skip_self_check, log_level=log_level,
+        seed=seed,
     )
-    check_free("--port", [port], host)
-    supervisor = None
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
-        if cluster is not None:
-            on = resolved.source
-            if prefill_resolved is not None:
-                on = f"{prefill_resolved.source} (prefill) and {resolved.source} (decode)"
-            typer.echo(f"starting {prefill} prefill + {decode} decode vLLM workers on {on}"
-                       f" (logs in {cluster.spec.log_dir})")
-            from tqdm import tqdm
-
-            with tqdm(total=prefill + decode, desc="workers ready", unit="worker") as bar:
-                cluster.start(on_ready=lambda server: bar.update(1))
-        if not skip_self_check:  # every worker, started or attached, whatever the policy
-            for url in (*prefill_urls, *decode_urls):
-                check_records_signatures(url, resolved.identity, served_as, worker_api_key)
-        if cluster is not None:
-            supervisor = Supervisor(cluster)
-            supervisor.start()
-        typer.echo(f"proxy on http://{host}:{port} (policy {policy}); Ctrl-C stops everything")
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our
-        # handler turns that into KeyboardInterrupt so the workers below are still stopped.
-        run_proxy(config, host=host, port=port, log_level=log_level.lower(),
-                  restarts=supervisor.restarts if supervisor is not None else no_restarts)
-    finally:
-        # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if supervisor is not None:
-            supervisor.stop()  # no restart may race the stop below
-        if cluster is not None:
-            cluster.stop()
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    plan = deploy.plan(options)
+    if plan.warning is not None:
+        typer.secho(f"eldr: warning: {plan.warning}", fg=typer.colors.YELLOW, err=True)
+    deploy.run(plan, typer.echo)

@@ -137,11 +137,11 @@ def test_the_cli_adds_a_pass_prints_the_drift_and_refits(
     from starlette.routing import Route
     from typer.testing import CliRunner
 
-    import eldr_cli.bench_cmd as bench_cmd
+    import stages.bench.live_run as live_run
     from eldr_cli.app import app
     from stages.routing.cost_model import CostModel
 
-    monkeypatch.setattr(bench_cmd, "_num_layers", lambda: LAYERS)
+    monkeypatch.setattr(live_run, "artifact_num_layers", lambda: LAYERS)
     engine = FakeEngine()
     with serve(engine.app) as worker:
         async def state(request):  # type: ignore[no-untyped-def]

@@ -1,0 +1,223 @@
+"""`eldr serve` as functions: the options as one value, every rule checked before anything
+starts (``plan``), then the workers, their self-check, the supervisor and the proxy (``run``).
+
+The CLI only parses flags into ``ServeOptions``; tests build one directly.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from stages import paths
+from stages.errors import EldrError
+from stages.models import ResolvedModel
+from stages.routing.policies import needs_centroids
+from stages.routing.policy_config import PolicyConfig
+from stages.serve import launcher, proxy
+from stages.serve.config import ProxyConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `eldr serve` was asked for (flag names in the comments where they differ)."""
+
+    model: str = "tiny"
+    prefill_model: str | None = None
+    prefill: int = 1
+    decode: int = 2
+    policy: str = "eldr"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    artifact: str = "latest"
+    store: Path | None = None  # default: $ELDR_HOME/artifacts
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_port: int = 8100
+    nixl_port: int | None = None
+    attach_prefill: tuple[str, ...] = ()
+    attach_decode: tuple[str, ...] = ()
+    online_refit: bool = False
+    worker_cores: str | None = None  # '|'-separated, prefill workers first
+    max_num_seqs: int = 8
+    max_model_len: int = 1024
+    enforce_eager: bool = False
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    served_model_name: str | None = None
+    vllm_args: tuple[str, ...] = ()  # --vllm-arg, as typed
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    worker_api_key: str | None = None
+    skip_self_check: bool = False
+    log_level: str = "warning"
+    seed: int = 0
+
+    @property
+    def attach(self) -> bool:
+        return bool(self.attach_prefill or self.attach_decode)
+
+    def check(self) -> None:
+        """The rules between flags, each a user error naming the flags."""
+        from stages.serve.config import check_key, check_unchecked_policy
+
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise EldrError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
+        if self.skip_self_check:
+            check_unchecked_policy(self.policy)
+        for name, key in (("--api-key", self.api_key), ("--admin-api-key", self.admin_api_key),
+                          ("--worker-api-key", self.worker_api_key)):
+            check_key(name, key)
+        if not self.attach:
+            return
+        for flag, given in (("--vllm-arg", bool(self.vllm_args)),
+                            ("--nixl-port", self.nixl_port is not None)):
+            if given:
+                raise EldrError(f"{flag} configures workers eldr starts; it cannot be used with"
+                                " --attach-*")
+        if not (self.attach_prefill and self.attach_decode):
+            raise EldrError("--attach-prefill and --attach-decode must be given together")
+        if self.prefill_model is not None:
+            raise EldrError("--prefill-model starts workers; it cannot be used with --attach-*")
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """A deployment checked in full: nothing has started yet."""
+
+    options: ServeOptions
+    model: ResolvedModel
+    prefill_model: ResolvedModel | None
+    cluster: launcher.Cluster | None  # None: attached workers only
+    proxy: ProxyConfig
+    warning: str | None  # for the user, before anything starts
+
+    @property
+    def served_as(self) -> str:
+        return self.options.served_model_name or self.options.model
+
+
+def plan(options: ServeOptions) -> ServePlan:
+    """Check every option, the artifact, the models, cores and ports; start nothing."""
+    from stages.engine import on_cpu
+    from stages.fit.artifact import load_for_serving
+    from stages.models import check_handoff_compatible, resolve_model
+    from stages.serve.auth import warn_if_exposed
+    from stages.serve.engine_args import check_recordable, engine_args
+    from stages.serve.ports import check_free
+    from stages.vllm_compat import check_vllm
+
+    o = options
+    o.check()
+    extra_args = engine_args(o.vllm_args)
+    for role, tp in (("prefill", o.prefill_tp), ("decode", o.decode_tp)):
+        check_recordable(extra_args, tp, on_cpu(), role)
+    if not o.attach:
+        check_vllm()  # attached workers run their own vLLM: the self-check covers them
+    store = o.store or paths.default_artifact_store()
+    model = resolve_model(o.model)
+    prefill_model = None
+    if o.prefill_model is not None:
+        prefill_model = resolve_model(o.prefill_model)
+        check_handoff_compatible(prefill_model, model)
+    num_decode = len(o.attach_decode) if o.attach else o.decode
+    if needs_centroids(o.policy):
+        load_for_serving(store, o.artifact, model.identity, num_decode)
+    # The cluster's specs (cores, free worker and NIXL ports) are checked as it is built, and
+    # the proxy's config on the URLs the workers will have.
+    cluster = None
+    if o.attach:
+        prefill_urls, decode_urls = o.attach_prefill, o.attach_decode
+    else:
+        cluster = _cluster(o, model, prefill_model, extra_args)
+        prefill_urls, decode_urls = tuple(cluster.prefill_urls), tuple(cluster.decode_urls)
+    use_store = needs_centroids(o.policy) or store.exists()
+    config = ProxyConfig(
+        prefill_urls=prefill_urls, decode_urls=decode_urls, policy=o.policy,
+        policy_config=o.policy_config, artifact_store=store if use_store else None,
+        artifact_version=o.artifact, model=o.served_model_name or o.model,
+        online_refit=o.online_refit, seed=o.seed,
+        decode_slots=None if o.attach else o.max_num_seqs, model_top_k=model.identity.top_k,
+        api_key=o.api_key, admin_api_key=o.admin_api_key, worker_api_key=o.worker_api_key,
+        # Checked in ``run`` before the proxy opens; the proxy checks each worker that rejoins.
+        self_check=None if o.skip_self_check else model.identity,
+        checked_at_start=not o.skip_self_check, skip_self_check=o.skip_self_check,
+    )
+    check_free("--port", [o.port], o.host)
+    return ServePlan(o, model, prefill_model, cluster, config, warn_if_exposed(o.host, o.api_key))
+
+
+def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel | None,
+             extra_args: tuple[str, ...]) -> launcher.Cluster:
+    cluster = launcher.Cluster(launcher.ClusterSpec(
+        model=model.source, served_name=o.served_model_name or o.model, prefill=o.prefill,
+        decode=o.decode, prefill_model=prefill_model.source if prefill_model else None,
+        base_port=o.worker_port, nixl_base_port=o.nixl_port, max_model_len=o.max_model_len,
+        max_num_seqs=o.max_num_seqs, log_dir=paths.eldr_home() / "logs",
+        worker_cores=tuple(o.worker_cores.split("|")) if o.worker_cores else None,
+        enforce_eager=o.enforce_eager, extra_args=extra_args, prefill_tp=o.prefill_tp,
+        decode_tp=o.decode_tp,
+    ))
+    taken = {s.port for s in cluster.specs} | {s.nixl_side_channel_port for s in cluster.specs}
+    if o.port in taken:
+        raise EldrError(f"--port {o.port} is also a port of a started worker (--worker-port"
+                        f" {o.worker_port}, {o.prefill + o.decode} workers, or --nixl-port)")
+    return cluster
+
+
+def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
+    """Start the workers, check each records signatures, supervise them and serve the proxy
+    until SIGINT or SIGTERM; then stop everything started, whatever happened."""
+    from stages.serve.metrics import no_restarts
+    from stages.serve.self_check import check_records_signatures
+    from stages.serve.supervisor import Supervisor
+
+    o, cluster, config = deployment.options, deployment.cluster, deployment.proxy
+
+    def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    supervisor = None
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        if cluster is not None:
+            _start(deployment, cluster, echo)
+        if not o.skip_self_check:  # every worker, started or attached, whatever the policy
+            for url in (*config.prefill_urls, *config.decode_urls):
+                check_records_signatures(url, deployment.model.identity, deployment.served_as,
+                                         o.worker_api_key)
+        if cluster is not None:
+            supervisor = Supervisor(cluster)
+            supervisor.start()
+        echo(f"proxy on http://{o.host}:{o.port} (policy {o.policy}); Ctrl-C stops everything")
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our
+        # handler turns that into KeyboardInterrupt so the workers below are still stopped.
+        proxy.run_proxy(config, host=o.host, port=o.port, log_level=o.log_level.lower(),
+                        restarts=supervisor.restarts if supervisor is not None else no_restarts)
+    finally:
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if supervisor is not None:
+            supervisor.stop()  # no restart may race the stop below
+        if cluster is not None:
+            cluster.stop()
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _start(deployment: ServePlan, cluster: launcher.Cluster, echo: Callable[[str], None]) -> None:
+    from tqdm import tqdm
+
+    o = deployment.options
+    on = deployment.model.source
+    if deployment.prefill_model is not None:
+        on = f"{deployment.prefill_model.source} (prefill) and {on} (decode)"
+    echo(f"starting {o.prefill} prefill + {o.decode} decode vLLM workers on {on}"
+         f" (logs in {cluster.spec.log_dir})")
+    with tqdm(total=o.prefill + o.decode, desc="workers ready", unit="worker") as bar:
+        cluster.start(on_ready=lambda server: bar.update(1))
