@@ -43,6 +43,34 @@ def vllm_available() -> bool:
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
 
+# The calibration capture every real-vLLM module that fits an artifact starts from: the
+# bundled calibration file interleaves its seven domains, so its first 400 prompts hold them all
+# (enough held-out requests for `eldr fit`'s gain at batches of 4 to 16 on two clusters), and 16
+# decode tokens give each a decode profile.
+CALIBRATION_LIMIT, CALIBRATION_TOKENS = 400, 16
+
+
+@pytest.fixture(scope="session")
+def calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A signature dataset of the bundled calibration prompts, captured once per test run by
+    `eldr capture` as a user runs it (tiny, compiled). Read it; copy it to change it."""
+    from tests.proc_probe import eldr_ok
+
+    home = tmp_path_factory.mktemp("calibration")
+    eldr_ok("capture", "--limit", str(CALIBRATION_LIMIT), "--max-tokens",
+            str(CALIBRATION_TOKENS), home=home, timeout=900)
+    return home / "signatures.zarr"
+
+
+def home_with(calibration: Path, home: Path) -> Path:
+    """``home`` as an ELDR_HOME holding its own copy of the calibration dataset."""
+    import shutil
+
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(calibration, home / "signatures.zarr")
+    return home
+
+
 @pytest.fixture(scope="module")
 def plain_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One vLLM server on the tiny model with eldr's connector (signatures, no PD)."""

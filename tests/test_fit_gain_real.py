@@ -14,22 +14,18 @@ from stages.fit.gain_report import gain_lines
 from stages.fit.pipeline import FitConfig, fit_artifact
 from stages.routing.cost_model import gpu_like
 from stages.signature.dataset import SignatureDataset
-from tests.conftest import requires_vllm
+from tests.conftest import home_with, requires_vllm
 from tests.proc_probe import eldr_ok
 from tests.test_fit_gain import estimated
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
-# The calibration file interleaves its seven domains, so its first 400 prompts hold them all;
-# 80 are held out, enough for batches of 4 to 16 on two clusters.
-LIMIT = 400
-
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("gain-real")
-    eldr_ok("capture", "--limit", str(LIMIT), "--max-tokens", "16", home=home, timeout=900)
-    return home
+def home(calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared calibration capture (400 prompts: 80 held out, enough for batches of 4 to 16
+    on two clusters)."""
+    return home_with(calibration, tmp_path_factory.mktemp("gain-real"))
 
 
 def test_the_bundled_capture_gives_a_gain_whose_interval_excludes_zero(home: Path) -> None:

@@ -1,7 +1,10 @@
-"""`eldr serve` against real vLLM: 1 prefill + 2 decode workers (NixlConnector) on tiny.
+"""The design card's commands against real vLLM, then everything a deployment must do.
 
-One module-scoped cluster serves every test; the fault-injection test runs last because it
-kills a decode worker.
+The module's one deployment is the card as a user types it: `eldr capture` (the session's
+shared calibration capture), `eldr fit --k 20 --balanced`, `eldr serve` with its defaults (1
+prefill + 2 decode workers, compiled, NixlConnector, policy eldr; ports moved off the defaults
+so a busy machine cannot collide), `eldr bench`. Every test here uses it; the first checks
+what the card set up, the fault-injection test runs last because it kills a decode worker.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,8 +27,17 @@ import pytest
 
 from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
-from tests.conftest import free_port, requires_vllm
+from tests.conftest import free_port, home_with, requires_vllm
 from tests.fakes.worker import BackgroundServer
+from tests.proc_probe import (
+    api_server,
+    eldr_ok,
+    serve_log,
+    start_serve,
+    tree,
+    wait_gone,
+    wait_healthy,
+)
 from tests.test_proxy_errors import CASES, LIMIT
 from tests.vllm_parity import BATCHES, MORE_CASES, answer, status_of
 
@@ -43,17 +54,17 @@ MAX_TOKENS = 12
 
 @dataclass
 class Deployment:
-    cluster: object
+    proc: subprocess.Popen[bytes]
     proxy_url: str
+    worker_port: int
     reference: dict[str, str]  # prompt -> greedy output of a single plain vLLM server
-    dataset: Path
+    home: Path  # ELDR_HOME: the dataset, the artifact store, the workers' logs
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
 
-
-def _eldr(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> str:
-    result = subprocess.run([sys.executable, "-m", "eldr_cli", *args], capture_output=True,
-                            text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    @property
+    def dataset(self) -> Path:
+        return self.home / "signatures.zarr"
 
 
 def _complete(url: str, prompt: str, stream: bool = False, timeout: float = 120) -> str:
@@ -77,61 +88,64 @@ def _complete(url: str, prompt: str, stream: bool = False, timeout: float = 120)
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[
-    Deployment
-]:
+def deployment(calibration: Path, tmp_path_factory: pytest.TempPathFactory,
+               tiny_model: Path) -> Iterator[Deployment]:
     from stages.engine import ServerSpec, VllmServer
-    from stages.serve.launcher import Cluster, ClusterSpec
 
-    work = tmp_path_factory.mktemp("serve")
-    env = {**os.environ, "ELDR_HOME": str(work)}
-    # A real artifact: capture a few calibration prompts, fit one centroid per decode worker.
-    _eldr("capture", "--limit", "24", "--max-tokens", "4", "--batch-size", "24", env=env)
-    _eldr("fit", "--k", "2", "--balanced", "--no-plot", env=env)
-
-    # The plain server answers first and is gone before the cluster starts: at most three
+    home = home_with(calibration, tmp_path_factory.mktemp("serve"))
+    eldr_ok("fit", "--k", "20", "--balanced", home=home)
+    # The plain server answers first and is gone before the workers start: at most three
     # vLLM servers at a time on a small machine.
     plain = VllmServer(ServerSpec(model=str(tiny_model), port=free_port(), served_name="tiny",
-                                  eldr_plugin=False), work / "logs")
+                                  eldr_plugin=False), home / "plain-logs")
     try:
         plain.wait_ready(timeout_s=300)
         reference = {p: _complete(plain.url, p) for p in PROMPTS}
     finally:
         plain.stop()
-    base = free_port()
-    cluster = Cluster(ClusterSpec(model=str(tiny_model), served_name="tiny", prefill=1, decode=2,
-                                  base_port=base, nixl_base_port=free_port(),
-                                  log_dir=work / "logs"))
+    port, worker_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = serve_log(home)
+    proc = start_serve(["--port", str(port), "--worker-port", str(worker_port)], home,
+                       {**os.environ, "ELDR_HOME": str(home)})
+    started: set[int] = set()
+
+    def seen() -> None:
+        started.update(tree(proc.pid))
+
     try:
-        cluster.start(timeout_s=400)
-        proxy_port = free_port()
-        from stages.serve.config import ProxyConfig
-        from stages.serve.proxy import create_app
-
-        config = ProxyConfig(
-            prefill_urls=tuple(cluster.prefill_urls), decode_urls=tuple(cluster.decode_urls),
-            policy="eldr", artifact_store=work / "artifacts", model="tiny",
-            health_interval_s=0.5,
+        wait_healthy(proc, url, 500, log.read_text, on_poll=seen)
+        state = httpx.get(f"{url}/admin/state", timeout=10).json()
+        yield Deployment(
+            proc, url, worker_port, reference, home,
+            tuple(w["url"] for w in state["prefill_workers"]),
+            tuple(w["url"] for w in state["decode_workers"]),
         )
-        import uvicorn
-
-        server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1",
-                                               port=proxy_port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{proxy_port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield Deployment(cluster, url, reference, work / "signatures.zarr")
-        server.should_exit = True
-        thread.join(timeout=10)
     finally:
-        cluster.stop()
+        seen()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        wait_gone(started, 30)
+
+
+def test_the_card_serves_20_clusters_on_two_workers_and_benches(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """20 clusters on the default 2 decode workers: the elastic pool spreads them, 10 each;
+    `eldr bench` compares a policy with a balancer through the proxy's admin API."""
+    state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
+    assert state["policy"] == "eldr"
+    assert [len(w["clusters"]) for w in state["decode_workers"]] == [10, 10]
+    eldr_ok("bench", "--url", deployment.proxy_url, "--policies", "eldr,jsq", "--num-prompts",
+            "8", "--rounds", "1", "--max-tokens", "8", "--request-rate", "inf",
+            "--result-dir", str(tmp_path), home=deployment.home)
+    results = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    runs = [r for r in results if r.get("completed") is not None]
+    assert runs and all(r["completed"] == 8 and r["failed"] == 0 for r in runs), results
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -150,9 +164,10 @@ def test_outputs_through_proxy_equal_single_server(
 def test_workers_keep_vllms_hybrid_kv_cache_manager(deployment: Deployment) -> None:
     # vLLM turns its hybrid KV cache manager off for the whole engine when any connector lacks
     # SupportsHMA (sliding-window models then run slower): eldr's connector must not be one.
-    for server in deployment.cluster.servers:
-        log = server.log_path.read_text(errors="replace")
-        assert "Turning off hybrid kv cache manager" not in log, server.log_path
+    logs = sorted((deployment.home / "logs").glob("vllm-*.log"))
+    assert len(logs) == 3
+    for log in logs:
+        assert "Turning off hybrid kv cache manager" not in log.read_text(errors="replace"), log
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -164,7 +179,7 @@ def test_batches_through_proxy_equal_single_server(
     own prefill and decode, merged into what a decode worker answers when asked directly (the
     issue's repro: there, the second prompt's text continued the first's)."""
     path, body = BATCHES[name]
-    direct = deployment.cluster.decode_urls[0]  # type: ignore[attr-defined]
+    direct = deployment.decode_urls[0]
     assert answer(deployment.proxy_url, path, body, stream) == answer(direct, path, body, stream)
 
 
@@ -175,12 +190,11 @@ def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
     from stages.serve.config import ProxyConfig
     from stages.serve.proxy import create_app
 
-    cluster = deployment.cluster
     config = ProxyConfig(
-        prefill_urls=tuple(cluster.prefill_urls), decode_urls=tuple(cluster.decode_urls),  # type: ignore[attr-defined]
+        prefill_urls=deployment.prefill_urls, decode_urls=deployment.decode_urls,
         policy="rr", model="tiny", max_body_bytes=LIMIT,
     )
-    vllm = cluster.decode_urls[0]  # type: ignore[attr-defined]
+    vllm = deployment.decode_urls[0]
     cases = [c for c in (*CASES, *MORE_CASES) if not c.path.startswith("/admin")]
     assert len(cases) >= 40
     differ = []
@@ -199,7 +213,7 @@ def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
 def _prompt_tokens_by_source(deployment: Deployment) -> tuple[float, float]:
     """(pulled over NIXL, computed locally) prompt tokens, summed over the decode workers."""
     external = computed = 0.0
-    for url in deployment.cluster.decode_urls:  # type: ignore[attr-defined]
+    for url in deployment.decode_urls:
         for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
             if line.startswith("vllm:prompt_tokens_by_source_total"):
                 value = float(line.rsplit(" ", 1)[1])
@@ -230,7 +244,7 @@ def test_prefill_signature_equals_captured_signature(deployment: Deployment) -> 
 
     prompt = load_prompts(CALIBRATION_PROMPTS)[0]
     row = int(np.flatnonzero(arrays.ids == prompt.id)[0])
-    prefill = deployment.cluster.prefill_urls[0]  # type: ignore[attr-defined]
+    prefill = deployment.prefill_urls[0]
     body = {"model": "tiny", "prompt": prompt.prompt, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                    "remote_engine_id": None, "remote_block_ids": None,
@@ -246,7 +260,7 @@ def test_proxy_reports_decode_expert_metrics(deployment: Deployment) -> None:
     state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
     assert state["policy"] in POLICIES
     steps = 0.0
-    for url in deployment.cluster.decode_urls:  # type: ignore[attr-defined]
+    for url in deployment.decode_urls:
         for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
             if line.startswith("eldr_decode_steps_total"):
                 steps += float(line.rsplit(" ", 1)[1])
@@ -256,10 +270,9 @@ def test_proxy_reports_decode_expert_metrics(deployment: Deployment) -> None:
 def test_bench_compares_policies_on_the_live_proxy(
     deployment: Deployment, tmp_path: Path
 ) -> None:
-    env = {**os.environ, "ELDR_HOME": str(deployment.dataset.parent)}
-    out = _eldr("bench", "--url", deployment.proxy_url, "--policies", "eldr,eldr-bl,rr",
-                "--num-prompts", "4", "--request-rate", "4", "--max-tokens", "8", "--rounds",
-                "1", "--result-dir", str(tmp_path), env=env)
+    out = eldr_ok("bench", "--url", deployment.proxy_url, "--policies", "eldr,eldr-bl,rr",
+                  "--num-prompts", "4", "--request-rate", "4", "--max-tokens", "8", "--rounds",
+                  "1", "--result-dir", str(tmp_path), home=deployment.home)
     assert "best baseline: TPOT p50 rr" in out
     for policy in ("eldr", "eldr-bl", "rr"):
         result = json.loads((tmp_path / f"{policy}-4qps.json").read_text())
@@ -287,9 +300,9 @@ def test_results_files_carry_every_key_of_vllms_own_benchmark(
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     theirs = json.loads((vllm_dir / "vllm.json").read_text())
     assert theirs["completed"] == 3
-    env = {**os.environ, "ELDR_HOME": str(deployment.dataset.parent)}
-    _eldr("bench", "--url", deployment.proxy_url, "--policies", "rr", "--num-prompts", "3",
-          "--max-tokens", "6", "--rounds", "1", "--result-dir", str(eldr_dir), env=env)
+    eldr_ok("bench", "--url", deployment.proxy_url, "--policies", "rr", "--num-prompts", "3",
+            "--max-tokens", "6", "--rounds", "1", "--result-dir", str(eldr_dir),
+            home=deployment.home)
     [path] = eldr_dir.glob("rr-*.json")
     ours = json.loads(path.read_text())
     assert not set(theirs) - set(ours), f"missing in eldr's file: {set(theirs) - set(ours)}"
@@ -304,7 +317,7 @@ def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) ->
     from stages.bench.engine_cost_passes import ProbePass, drift, excluded_prompts, fit_passes
     from stages.paths import EVALUATION_PROMPTS
 
-    workers = tuple(deployment.cluster.decode_urls[:1])  # type: ignore[attr-defined]
+    workers = deployment.decode_urls[:1]
     result = measure_engine_cost(EngineCostConfig(
         worker_urls=workers, prompts_path=EVALUATION_PROMPTS, num_layers=4, batch_sizes=(1, 4),
         domain_mixes=(1, 0), repeats=1, max_tokens=8, prefill_probes=0, model="tiny",
@@ -342,18 +355,14 @@ def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployme
     httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "rr"},
                timeout=10).raise_for_status()
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
-    victim = deployment.cluster.servers[-1]  # type: ignore[attr-defined]
+    # The last decode worker's API server (workers take consecutive ports, prefill first).
+    victim = api_server(deployment.proc.pid, deployment.worker_port + 2)
 
-    def kill_soon() -> None:
-        time.sleep(1.5)
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_soon)
     with ThreadPoolExecutor(max_workers=6) as pool:
-        killer.start()
-        results = list(pool.map(lambda p: _complete(deployment.proxy_url, p, timeout=180),
-                                prompts))
-    killer.join()
+        answers = [pool.submit(_complete, deployment.proxy_url, p, timeout=180) for p in prompts]
+        time.sleep(1.5)
+        os.kill(victim, signal.SIGKILL)
+        results = [a.result() for a in answers]
     assert results == [deployment.reference[p] for p in prompts]
     state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
     assert all(w["in_flight"] == 0 for w in state["decode_workers"])

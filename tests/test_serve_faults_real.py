@@ -1,0 +1,261 @@
+"""`eldr serve` under faults, against real vLLM: workers killed with SIGKILL under load and
+idle, then the `eldr serve` process itself; and every socket it opened stays on loopback.
+
+One `eldr serve --prefill 1 --decode 3` on a K=3 artifact (fitted here on the shared
+calibration capture) serves the whole module, in this order:
+
+1. listeners: every process eldr started listens on loopback only;
+2. for each policy, 6 clients keep non-streaming requests going; 4 s in, one decode worker's
+   API server gets SIGKILL. Requests it was decoding are retried on the others (nothing had
+   reached the client), later ones are routed around it while it is down, and it serves again
+   once restarted. For the centroid policy the dead worker's cluster must have moved to a live
+   worker while it was down (the elastic pool), with no refit;
+3. with no traffic, a decode worker's API server and then the prefill worker's engine core are
+   killed: each leaves routing within 5 s and serves again within 2 min, having passed the
+   self-check again, no request failing after;
+4. last, `eldr serve` itself gets SIGKILL: nothing it started may be left 10 s later.
+
+Workers run eager: fail-over and supervision, not compilation, are under test, and eager
+workers restart faster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, home_with, requires_vllm
+from tests.proc_probe import (
+    api_server,
+    command,
+    eldr_ok,
+    listeners,
+    serve_log,
+    start_serve,
+    tree,
+    wait_gone,
+    wait_healthy,
+)
+
+pytestmark = [requires_vllm, pytest.mark.vllm]
+
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Solve: 3 + 4 =", "Once upon a time",
+    "import numpy as np\n", "The mitochondria is", "SELECT name FROM", "Dear Sir or Madam,",
+]
+DECODE = 3
+CLIENTS = 6
+BEFORE_KILL_S, AFTER_KILL_S = 4.0, 20.0
+LOAD_VICTIM = 1  # the decode worker killed under load, once per policy
+IDLE_VICTIM = 0  # the decode worker killed with no traffic, once
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    url: str
+    worker_port: int
+    log: Path
+    started: set[int] = field(default_factory=set)  # every process seen below eldr serve
+
+    def seen(self) -> set[int]:
+        self.started |= tree(self.proc.pid)
+        return self.started
+
+    def state(self) -> dict[str, object]:
+        return httpx.get(f"{self.url}/admin/state", timeout=10).json()  # type: ignore[no-any-return]
+
+    def health(self) -> dict[str, object]:
+        """The proxy's /health; empty while it does not answer in time (a loaded machine)."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).json()  # type: ignore[no-any-return]
+        except httpx.HTTPError:
+            return {}
+
+    def api_server(self, port: int) -> int:
+        return api_server(self.proc.pid, port)
+
+    def decode_api_server(self, index: int) -> int:
+        return self.api_server(self.worker_port + 1 + index)  # the prefill worker is first
+
+
+@pytest.fixture(scope="module")
+def served(calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    home = home_with(calibration, tmp_path_factory.mktemp("faults"))
+    eldr_ok("fit", "--k", str(DECODE), "--balanced", "--no-plot", home=home)
+    port, worker_port = free_port(), free_port()
+    log = serve_log(home)
+    proc = start_serve(
+        ["--model", "tiny", "--policy", "eldr", "--prefill", "1", "--decode", str(DECODE),
+         "--port", str(port), "--worker-port", str(worker_port), "--log-level", "info",
+         "--enforce-eager"],
+        home, {**os.environ, "ELDR_HOME": str(home)},
+    )
+    served = Served(proc, f"http://127.0.0.1:{port}", worker_port, log)
+    try:
+        wait_healthy(proc, served.url, 500, log.read_text, on_poll=served.seen)
+        yield served
+    finally:
+        served.seen()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        wait_gone(served.started, 30)
+
+
+def _complete(url: str, prompt: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_every_listener_of_every_started_process_is_on_loopback(served: Served) -> None:
+    # A request first: NIXL's handshake and UCX's endpoints exist once KV has moved.
+    assert _complete(served.url, PROMPTS[0]).status_code == 200
+    found = listeners(served.seen() | {served.proc.pid})
+    assert any(f.port == served.worker_port for f in found)  # the probe sees the workers
+    assert [f for f in found if not f.loopback] == []
+
+
+def _wait_decode_healthy(served: Served, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = served.state()["decode_workers"]
+        if sum(bool(w["healthy"]) for w in workers) == count:  # type: ignore[union-attr]
+            return
+        time.sleep(1)
+    pytest.fail(f"decode workers not {count} healthy:\n{served.log.read_text()[-3000:]}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    started_s: float
+    status: int
+    detail: str
+
+
+def _load(url: str, stop: threading.Event, client: int) -> list[Outcome]:
+    """One client's requests, one after another, until ``stop``."""
+    outcomes = []
+    i = client
+    with httpx.Client(timeout=120) as http:
+        while not stop.is_set():
+            body = {"model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 16,
+                    "temperature": 0, "ignore_eos": True}
+            started = time.monotonic()
+            try:
+                response = http.post(f"{url}/v1/completions", json=body)
+                outcomes.append(Outcome(started, response.status_code, response.text[:300]))
+            except httpx.HTTPError as exc:
+                outcomes.append(Outcome(started, -1, repr(exc)))
+            i += CLIENTS
+    return outcomes
+
+
+@pytest.mark.parametrize("policy", ["eldr-union", "eldr"])
+def test_a_decode_worker_killed_under_load_fails_no_request(served: Served, policy: str) -> None:
+    _wait_decode_healthy(served, DECODE, 240)  # the previous case's victim is back
+    switched = httpx.post(f"{served.url}/admin/policy", json={"policy": policy}, timeout=10)
+    assert switched.status_code == 200, switched.text
+    victim = served.decode_api_server(LOAD_VICTIM)
+    served.seen()
+    stop = threading.Event()
+    moved: list[list[int]] = []
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        futures = [pool.submit(_load, served.url, stop, c) for c in range(CLIENTS)]
+        try:
+            time.sleep(BEFORE_KILL_S)
+            os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
+            # While the victim is out of routing, its clusters live on the other workers.
+            while time.monotonic() - killed < AFTER_KILL_S:
+                workers = served.state()["decode_workers"]
+                if not workers[LOAD_VICTIM]["healthy"]:  # type: ignore[index]
+                    moved.append([len(w["clusters"]) for w in workers])  # type: ignore[union-attr]
+                time.sleep(0.5)
+        finally:
+            stop.set()
+        outcomes = [o for f in futures for o in f.result()]
+    after = [o for o in outcomes if o.started_s >= killed]
+    failed = [o for o in outcomes if o.status != 200]
+    assert failed == [], failed[:5]
+    assert len(after) >= CLIENTS, f"only {len(after)} requests after the kill"
+    assert moved, "the killed worker never left routing"
+    if policy == "eldr":
+        # K=3 on 3 workers: the dead worker's cluster is served by a live one meanwhile.
+        assert all(m[LOAD_VICTIM] == 0 and sum(m) == DECODE for m in moved), moved
+    _wait_decode_healthy(served, DECODE, 240)
+    assert served.decode_api_server(LOAD_VICTIM) != victim
+    print(f"\n{policy}: {len(outcomes)} requests, {len(after)} started after the SIGKILL, none"
+          f" failed; clusters per worker while it was down: {moved[-1]}")
+
+
+# The decode worker loses its API server; the prefill worker only its engine core, which
+# leaves vLLM's API server running and answering /health with 503.
+@pytest.mark.parametrize(("role", "index", "victim"), [("decode", IDLE_VICTIM, "api server"),
+                                                       ("prefill", 0, "engine core")])
+def test_a_killed_worker_leaves_routing_at_once_and_serves_again(
+    served: Served, role: str, index: int, victim: str
+) -> None:
+    key = f"{role}_healthy"
+    everyone = DECODE if role == "decode" else 1
+    _wait_decode_healthy(served, DECODE, 240)
+    assert served.health()[key] == everyone
+    api = served.api_server(served.worker_port + (1 + index if role == "decode" else 0))
+    target = api
+    if victim == "engine core":
+        target = next(p for p in tree(api) if "VLLM::EngineCore" in command(p))
+    served.seen()
+    os.kill(target, signal.SIGKILL)
+    killed = time.monotonic()
+    while served.health().get(key) != everyone - 1:
+        assert time.monotonic() - killed < 5, f"{role} worker still routed 5 s after its death"
+        time.sleep(0.2)
+    out = time.monotonic() - killed
+    while served.health().get(key) != everyone:
+        assert time.monotonic() - killed < 120, (
+            f"{role} worker not back within 2 min:\n{served.log.read_text()[-3000:]}"
+        )
+        served.seen()
+        time.sleep(1)
+    back = time.monotonic() - killed
+    for prompt in PROMPTS:
+        response = _complete(served.url, prompt)
+        assert response.status_code == 200, response.text
+    state = served.state()
+    worker = state[f"{role}_workers"][index]  # type: ignore[index]
+    name = f"{role}-{index}"
+    assert worker["restarts"] == 1
+    metrics = httpx.get(f"{served.url}/metrics", timeout=5).text
+    assert f'eldr_worker_restarts_total{{worker="{name}"}} 1.0' in metrics
+    # It rejoined only after its self-check passed again: once at start, once after restart.
+    assert state["self_check"] == "on"
+    assert worker["self_check"] == {"verified": True, "passed": 2, "failed": 0}
+    passes = f'eldr_worker_self_check_passes_total{{role="{role}",worker="{name}"}} 2.0'
+    assert passes in metrics
+    print(f"\n{role} worker out of routing {out:.1f} s and back {back:.0f} s after SIGKILL of"
+          f" its {victim}")
+
+
+def test_sigkill_of_eldr_serve_leaves_no_process_it_started(served: Served) -> None:
+    started = served.seen()
+    assert len(started) >= 12  # four keepers, their API servers, engine cores and workers
+    served.proc.kill()
+    served.proc.wait()
+    killed = time.monotonic()
+    assert wait_gone(started, 10) == set()
+    print(f"\n{len(started)} processes eldr serve started gone {time.monotonic() - killed:.1f} s"
+          " after its SIGKILL")
