@@ -34,8 +34,8 @@ import httpx
 import numpy as np
 import orjson
 
-from stages.serve.config import ProxyConfig
-from stages.serve.payloads import decode_body, prefill_body
+from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.payloads import decode_body, prefill_body
 from stages.signature.dataset import ModelIdentity
 
 try:

@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits
 
 from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
 from stages.routing.policies import POLICIES
-from stages.serve.decode_router import Decision, DecodeRouter
+from stages.serve.proxy.decode_router import Decision, DecodeRouter
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 from stages.signature.transform import SignatureTransform, fit_idf

@@ -19,8 +19,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def free_port() -> int:
     # Below the ephemeral range, where no other socket's automatic bind can take it before the
-    # server under test binds it (stages.serve.ports).
-    from stages.serve.ports import free_ports
+    # server under test binds it (stages.serve.cluster.ports).
+    from stages.serve.cluster.ports import free_ports
 
     return free_ports(1)[0]
 

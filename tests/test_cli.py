@@ -225,7 +225,7 @@ def test_bench_without_a_proxy_points_to_serve(tmp_path: Path) -> None:
 def test_serve_passes_engine_args_and_served_name_to_the_workers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import stages.serve.launcher as launcher
+    import stages.serve.cluster.launcher as launcher
     from stages.errors import EldrError
 
     seen = {}
@@ -285,7 +285,7 @@ def test_serve_refuses_engine_args_eldr_owns(
 def test_serve_on_an_open_address_without_a_key_warns(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import stages.serve.launcher as launcher
+    import stages.serve.cluster.launcher as launcher
     from stages.errors import EldrError
 
     class StopAtStart:
@@ -341,7 +341,7 @@ def test_serve_checks_every_option_before_any_worker_starts(
 ) -> None:
     import socket
 
-    import stages.serve.launcher as launcher
+    import stages.serve.cluster.launcher as launcher
     from stages.errors import EldrError
 
     started = []
@@ -398,7 +398,7 @@ class _Serving:
         monkeypatch.setenv("ELDR_HOME", str(tmp_path))
 
     def checked(self) -> list[str]:
-        from stages.serve.self_check import PROBE_PROMPT
+        from stages.serve.proxy.self_check import PROBE_PROMPT
 
         return [b.name for b in self.behaviors
                 if any(r.body.get("prompt") == PROBE_PROMPT for r in b.received)]
@@ -418,7 +418,7 @@ def serving(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no
 def test_serve_self_checks_started_workers_for_eldr_union(
     serving: _Serving, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import stages.serve.launcher as launcher
+    import stages.serve.cluster.launcher as launcher
     from stages.models import resolve_model
 
     class StartedFakes:

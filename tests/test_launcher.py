@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stages.errors import EldrError
-from stages.serve.launcher import core_plan
+from stages.serve.cluster.launcher import core_plan
 
 
 def test_two_cores_keep_prefill_and_decode_apart() -> None:
@@ -27,7 +27,7 @@ def test_no_cores_known_lets_vllm_decide() -> None:
 
 def test_prefill_variant_runs_on_prefill_workers_only() -> None:
     from stages.engine import kv_transfer_config
-    from stages.serve.launcher import ClusterSpec, worker_specs
+    from stages.serve.cluster.launcher import ClusterSpec, worker_specs
 
     spec = ClusterSpec(model="/m/wide", served_name="w", prefill_model="/m/narrow")
     specs = worker_specs(spec, [5600, 5601, 5602])
@@ -44,7 +44,7 @@ def test_prefill_variant_runs_on_prefill_workers_only() -> None:
 
 def test_same_model_keeps_nixl_handshake_check() -> None:
     from stages.engine import kv_transfer_config
-    from stages.serve.launcher import ClusterSpec, worker_specs
+    from stages.serve.cluster.launcher import ClusterSpec, worker_specs
 
     spec = ClusterSpec(model="/m/a", served_name="a", prefill_model="/m/a")
     specs = worker_specs(spec, [1, 2, 3])
@@ -56,7 +56,7 @@ def test_same_model_keeps_nixl_handshake_check() -> None:
 def test_explicit_worker_cores_replace_the_plan() -> None:
     import os
 
-    from stages.serve.launcher import ClusterSpec, worker_specs
+    from stages.serve.cluster.launcher import ClusterSpec, worker_specs
 
     core = str(min(os.sched_getaffinity(0)))
     spec = ClusterSpec(model="/m", served_name="m", worker_cores=(core,) * 3)
@@ -68,7 +68,7 @@ def test_bad_worker_cores_are_user_errors() -> None:
     import pytest
 
     from stages.errors import EldrError
-    from stages.serve.launcher import check_worker_cores
+    from stages.serve.cluster.launcher import check_worker_cores
 
     with pytest.raises(EldrError, match="3 core sets for 2 workers"):
         check_worker_cores(("0", "0", "0"), 2)
@@ -76,14 +76,14 @@ def test_bad_worker_cores_are_user_errors() -> None:
         check_worker_cores(("x",), 1)
     with pytest.raises(EldrError, match="may not use"):
         check_worker_cores(("100000",), 1)
-    from stages.serve.launcher import ClusterSpec
+    from stages.serve.cluster.launcher import ClusterSpec
 
     with pytest.raises(EldrError, match="1 core sets for 3 workers"):  # checked on creation
         ClusterSpec(model="/m", served_name="m", worker_cores=("0",))
 
 
 def test_gpu_workers_get_one_device_each_and_share_memory_when_they_must() -> None:
-    from stages.serve.launcher import gpu_plan
+    from stages.serve.cluster.launcher import gpu_plan
 
     assert gpu_plan([1, 1, 1], 4) == [((0,), 0.9), ((1,), 0.9), ((2,), 0.9)]
     assert gpu_plan([1, 1, 1], 1) == [((0,), 0.3), ((0,), 0.3), ((0,), 0.3)]
@@ -112,7 +112,7 @@ def test_gpu_worker_command_names_its_device(monkeypatch) -> None:  # type: igno
 
 def free_range(count: int) -> int:
     """A first port with ``count`` free ports from it (ports near an ephemeral one may not be)."""
-    from stages.serve.ports import check_free
+    from stages.serve.cluster.ports import check_free
     from tests.conftest import free_port
 
     for _ in range(100):
@@ -126,7 +126,7 @@ def free_range(count: int) -> int:
 
 
 def test_cluster_knows_its_urls_and_free_side_channel_ports_before_starting() -> None:
-    from stages.serve.launcher import Cluster, ClusterSpec
+    from stages.serve.cluster.launcher import Cluster, ClusterSpec
 
     base = free_range(3)
     cluster = Cluster(ClusterSpec(model="/m", served_name="m", base_port=base))
@@ -147,7 +147,7 @@ def test_ports_in_use_or_overlapping_are_refused_before_anything_starts() -> Non
     import pytest
 
     from stages.errors import EldrError
-    from stages.serve.launcher import Cluster, ClusterSpec
+    from stages.serve.cluster.launcher import Cluster, ClusterSpec
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -183,7 +183,7 @@ def test_a_restarted_worker_keeps_its_spec_and_its_log(monkeypatch, tmp_path) ->
     from pathlib import Path
 
     import stages.engine as engine
-    from stages.serve.launcher import Cluster, ClusterSpec
+    from stages.serve.cluster.launcher import Cluster, ClusterSpec
     from tests.proc_probe import alive, tree
 
     def command(spec: engine.ServerSpec) -> tuple[list[str], dict[str, str]]:
@@ -217,7 +217,7 @@ def test_a_restarted_worker_keeps_its_spec_and_its_log(monkeypatch, tmp_path) ->
 
 
 def test_free_ports_stay_below_the_kernels_ephemeral_range() -> None:
-    from stages.serve.ports import _ephemeral_low, free_ports
+    from stages.serve.cluster.ports import _ephemeral_low, free_ports
 
     ports = free_ports(8, avoid=range(10000, 10100))
     # Ephemeral ports go to any socket's automatic bind (vLLM's ZMQ and gloo ones among them),
@@ -237,7 +237,7 @@ def test_tensor_parallel_workers_bind_one_core_group_per_rank() -> None:
 
 
 def test_cluster_gives_its_tensor_parallel_decode_worker_a_core_per_rank(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import stages.serve.launcher as launcher
+    import stages.serve.cluster.launcher as launcher
 
     monkeypatch.setattr(launcher, "on_cpu", lambda: True)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1})

@@ -18,8 +18,8 @@ from stages.routing.context import RoutingContext
 from stages.routing.params import ParamError, build_params, option_help, param_types
 from stages.routing.policies import POLICIES, make_policy, policy_params
 from stages.routing.policy_config import PolicyConfig
-from stages.serve.config import ProxyConfig
 from stages.serve.proxy import create_app
+from stages.serve.proxy.config import ProxyConfig
 from tests.fakes.artifact import domain_artifact
 
 K = 2

@@ -18,9 +18,9 @@ from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.policies import RoutingRequest, make_policy
 from stages.routing.policy_config import PolicyConfig
-from stages.serve.config import ProxyConfig
 from stages.serve.proxy import create_app
-from stages.serve.state import ProxyState
+from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.state import ProxyState
 from stages.signature import wire
 from tests.fakes.artifact import domain_artifact
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker

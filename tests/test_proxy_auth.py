@@ -19,9 +19,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from stages.errors import EldrError
-from stages.serve.auth import ApiKeyMiddleware, warn_if_exposed
-from stages.serve.config import ProxyConfig
 from stages.serve.proxy import create_app
+from stages.serve.proxy.auth import ApiKeyMiddleware, warn_if_exposed
+from stages.serve.proxy.config import ProxyConfig
 from tests.fakes.artifact import domain_artifact
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 

@@ -41,9 +41,9 @@ import orjson
 import pytest
 
 from stages.errors import EldrError
-from stages.serve.config import ProxyConfig
 from stages.serve.proxy import create_app
-from stages.serve.state import ProxyState
+from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.state import ProxyState
 from tests.fakes.artifact import domain_artifact
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 
@@ -439,7 +439,7 @@ class Records(logging.Handler):
 @pytest.fixture
 def error_log() -> Iterator[Records]:
     # On the logger itself: the proxy runs in another thread and "stages" may not propagate.
-    handler, logger = Records(), logging.getLogger("stages.serve.responses")
+    handler, logger = Records(), logging.getLogger("stages.serve.proxy.responses")
     logger.addHandler(handler)
     try:
         yield handler

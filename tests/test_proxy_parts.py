@@ -9,12 +9,12 @@ import pytest
 
 from stages.errors import EldrError
 from stages.routing.policy_config import PolicyConfig
-from stages.serve.config import ProxyConfig
-from stages.serve.decode_router import DecodeRouter
-from stages.serve.payloads import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
-from stages.serve.prefill_router import PrefillRouter
-from stages.serve.sse import IncompleteEvent, is_done, whole_events
-from stages.serve.workers import WorkerPool
+from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.decode_router import DecodeRouter
+from stages.serve.proxy.payloads import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
+from stages.serve.proxy.prefill_router import PrefillRouter
+from stages.serve.proxy.sse import IncompleteEvent, is_done, whole_events
+from stages.serve.proxy.workers import WorkerPool
 from stages.signature import wire
 from tests.fakes.artifact import domain_artifact
 from tests.fakes.worker import domain_signature
@@ -145,7 +145,7 @@ def test_config_validation() -> None:
 
 
 def test_build_state_artifact_rules() -> None:
-    from stages.serve.state import build_state
+    from stages.serve.proxy.state import build_state
 
     urls = dict(prefill_urls=("http://p",), decode_urls=("http://d0", "http://d1", "http://d2"))
 

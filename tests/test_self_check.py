@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from stages.errors import EldrError
-from stages.serve import self_check
+from stages.serve.proxy import self_check
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 

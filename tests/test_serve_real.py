@@ -187,8 +187,8 @@ def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
     """The malformed-request table against a proxy on the live workers and against vLLM
     itself (a decode worker), status for status; the proxy's own routes (/admin) have no
     vLLM counterpart, and an oversized body is the proxy's 413 by design."""
-    from stages.serve.config import ProxyConfig
     from stages.serve.proxy import create_app
+    from stages.serve.proxy.config import ProxyConfig
 
     config = ProxyConfig(
         prefill_urls=deployment.prefill_urls, decode_urls=deployment.decode_urls,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from stages.procs import keeper, linux
-from stages.serve.supervisor import Backoff, Supervisor
+from stages.serve.cluster.supervisor import Backoff, Supervisor
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer
 
@@ -80,7 +80,7 @@ def test_a_crash_loop_backs_off_and_a_stable_worker_restarts_fast(
     workers = FakeWorkers(clock, [FakeWorker("http://w0", 0.0), FakeWorker("http://w1", 0.0)])
     supervisor = Supervisor(workers, Backoff(first_s=1.0, max_s=4.0, stable_s=100.0),
                             clock=clock)
-    caplog.set_level(logging.WARNING, "stages.serve.supervisor")
+    caplog.set_level(logging.WARNING, "stages.serve.cluster.supervisor")
     clock.now = 10.0
     workers.servers[0].code = -9
     assert _delay_to_restart(supervisor, workers, clock) == 1.0
@@ -221,8 +221,8 @@ def _wait(cond, timeout_s: float, what: str) -> float:  # type: ignore[no-untype
 def test_a_killed_worker_leaves_routing_is_restarted_and_rejoins(
     workers: ProcessWorkers,
 ) -> None:
-    from stages.serve.config import ProxyConfig
     from stages.serve.proxy import create_app
+    from stages.serve.proxy.config import ProxyConfig
     from stages.signature.dataset import ModelIdentity
     from tests.fakes.worker import SIGNATURE_SHAPE
 

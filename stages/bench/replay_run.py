@@ -28,7 +28,7 @@ from stages.errors import EldrError
 from stages.fit.artifact import Artifact, load_for_serving
 from stages.routing.cost_model import CostModel
 from stages.routing.policies import needs_centroids
-from stages.serve.launcher import ClusterSpec
+from stages.serve.cluster.launcher import ClusterSpec
 from stages.signature.dataset import ModelIdentity, SignatureArrays
 
 # eldr serve's per-worker batch limit (vLLM --max-num-seqs) unless told otherwise.

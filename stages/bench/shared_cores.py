@@ -1,6 +1,6 @@
 """Decode workers that share CPU cores, as the kernel time-slices them.
 
-``eldr serve`` binds each worker to cores (``stages.serve.launcher.core_plan``); with fewer
+``eldr serve`` binds each worker to cores (``stages.serve.cluster.launcher.core_plan``); with fewer
 cores than decode workers, several run on one core, each in a scheduling group of its own
 (every worker is a session, so an autogroup). How they share depends on what an idle worker
 does:

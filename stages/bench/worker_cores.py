@@ -1,7 +1,7 @@
 """Where a live cluster's workers ran: their core bindings, as ``eldr serve`` made them.
 
 Results do not record the binding; on the machine that served the run it is the launcher's
-plan (``stages.serve.launcher.core_plan``) over this process's cores, unless the user gives
+plan (``stages.serve.cluster.launcher.core_plan``) over this process's cores, unless the user gives
 it (``--worker-cores``, as ``eldr serve`` takes it). On a GPU build workers are not bound.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from stages.bench.shared_cores import core_groups
 from stages.engine import on_cpu, parse_cores
 from stages.errors import EldrError
-from stages.serve.launcher import core_plan
+from stages.serve.cluster.launcher import core_plan
 
 
 @dataclass(frozen=True)

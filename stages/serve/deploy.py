@@ -17,8 +17,9 @@ from stages.errors import EldrError
 from stages.models import ResolvedModel
 from stages.routing.policies import needs_centroids
 from stages.routing.policy_config import PolicyConfig
-from stages.serve import launcher, proxy
-from stages.serve.config import ProxyConfig
+from stages.serve import proxy
+from stages.serve.cluster import launcher
+from stages.serve.proxy.config import ProxyConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -63,7 +64,7 @@ class ServeOptions:
 
     def check(self) -> None:
         """The rules between flags, each a user error naming the flags."""
-        from stages.serve.config import check_key, check_unchecked_policy
+        from stages.serve.proxy.config import check_key, check_unchecked_policy
 
         if self.log_level.lower() not in LOG_LEVELS:
             raise EldrError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
@@ -106,9 +107,9 @@ def plan(options: ServeOptions) -> ServePlan:
     from stages.engine import on_cpu
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
-    from stages.serve.auth import warn_if_exposed
-    from stages.serve.engine_args import check_recordable, engine_args
-    from stages.serve.ports import check_free
+    from stages.serve.cluster.engine_args import check_recordable, engine_args
+    from stages.serve.cluster.ports import check_free
+    from stages.serve.proxy.auth import warn_if_exposed
     from stages.vllm_compat import check_vllm
 
     o = options
@@ -172,9 +173,9 @@ def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel
 def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
     """Start the workers, check each records signatures, supervise them and serve the proxy
     until SIGINT or SIGTERM; then stop everything started, whatever happened."""
-    from stages.serve.metrics import no_restarts
-    from stages.serve.self_check import check_records_signatures
-    from stages.serve.supervisor import Supervisor
+    from stages.serve.cluster.supervisor import Supervisor
+    from stages.serve.proxy.metrics import no_restarts
+    from stages.serve.proxy.self_check import check_records_signatures
 
     o, cluster, config = deployment.options, deployment.cluster, deployment.proxy
 

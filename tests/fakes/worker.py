@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from stages.serve.self_check import PROBE_PROMPT
+from stages.serve.proxy.self_check import PROBE_PROMPT
 from stages.signature import wire
 
 SIGNATURE_SHAPE = (4, 16)

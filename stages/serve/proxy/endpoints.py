@@ -6,9 +6,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from stages.serve.responses import json_error, json_response
-from stages.serve.state import ProxyState
-from stages.serve.upstream import UPSTREAM_ERRORS
+from stages.serve.proxy.responses import json_error, json_response
+from stages.serve.proxy.state import ProxyState
+from stages.serve.proxy.upstream import UPSTREAM_ERRORS
 
 
 async def models(request: Request) -> Response:

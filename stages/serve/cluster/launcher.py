@@ -15,7 +15,7 @@ from pathlib import Path
 
 from stages.engine import ServerSpec, VllmServer, on_cpu, parse_cores, rank_binding
 from stages.errors import EldrError
-from stages.serve.ports import check_free, free_ports
+from stages.serve.cluster.ports import check_free, free_ports
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from stages.serve.config import ProxyConfig
+from stages.serve.proxy.config import ProxyConfig
 
 # Raised before the request left the proxy (refused, unreachable, no connection in time): the
 # worker never saw it.

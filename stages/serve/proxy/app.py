@@ -21,18 +21,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 from threadpoolctl import threadpool_limits
 
-from stages.serve import admin, endpoints
-from stages.serve.artifact_source import ArtifactLoader, load_from_store
-from stages.serve.auth import auth_middleware
-from stages.serve.completions import chat_completions, completions
-from stages.serve.config import ProxyConfig
-from stages.serve.health import health_loop
-from stages.serve.metrics import RestartCounts, no_restarts
-from stages.serve.online_refit import FitFn, balanced_fit
-from stages.serve.refit_task import refit_loop
-from stages.serve.responses import InternalErrorMiddleware, http_error
-from stages.serve.state import ProxyState, build_state
-from stages.serve.upstream import open_session
+from stages.serve.proxy import admin, endpoints
+from stages.serve.proxy.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.proxy.auth import auth_middleware
+from stages.serve.proxy.completions import chat_completions, completions
+from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.health import health_loop
+from stages.serve.proxy.metrics import RestartCounts, no_restarts
+from stages.serve.proxy.online_refit import FitFn, balanced_fit
+from stages.serve.proxy.refit_task import refit_loop
+from stages.serve.proxy.responses import InternalErrorMiddleware, http_error
+from stages.serve.proxy.state import ProxyState, build_state
+from stages.serve.proxy.upstream import open_session
 
 log = logging.getLogger(__name__)
 

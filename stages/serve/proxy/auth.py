@@ -17,7 +17,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stages.serve.config import ProxyConfig
+from stages.serve.proxy.config import ProxyConfig
 
 # Prefix matches, as vLLM's: "/v1x" is guarded too, so a guess at a route learns nothing.
 _API_PREFIX = "/v1"

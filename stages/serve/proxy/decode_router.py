@@ -26,8 +26,8 @@ from stages.routing.policies import (
 )
 from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
 from stages.routing.policy_config import PolicyConfig
-from stages.serve.artifact_source import ArtifactLike
-from stages.serve.online_refit import OnlineRefitter, RefitResult
+from stages.serve.proxy.artifact_source import ArtifactLike
+from stages.serve.proxy.online_refit import OnlineRefitter, RefitResult
 from stages.signature import wire
 
 

@@ -18,10 +18,10 @@ from starlette.responses import Response
 from stages.errors import EldrError
 from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
-from stages.serve.config import check_unchecked_policy
-from stages.serve.request_body import bad_request, read_json_body
-from stages.serve.responses import ProxyError, json_error, json_response
-from stages.serve.state import ProxyState
+from stages.serve.proxy.config import check_unchecked_policy
+from stages.serve.proxy.request_body import bad_request, read_json_body
+from stages.serve.proxy.responses import ProxyError, json_error, json_response
+from stages.serve.proxy.state import ProxyState
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from stages.serve.payloads import Legs, plan_legs
-from stages.serve.state import ProxyState
+from stages.serve.proxy.payloads import Legs, plan_legs
+from stages.serve.proxy.state import ProxyState
 
 # Client headers worth carrying to the workers. Not Authorization: the client's key is the
 # proxy's to check, and workers get the proxy's own key (upstream.worker_headers).

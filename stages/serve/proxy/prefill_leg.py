@@ -6,9 +6,9 @@ from typing import Any
 
 import orjson
 
-from stages.serve.request_context import RequestContext
-from stages.serve.responses import ProxyError, UpstreamClientError
-from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
+from stages.serve.proxy.request_context import RequestContext
+from stages.serve.proxy.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 
 
 async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:

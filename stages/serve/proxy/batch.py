@@ -18,12 +18,12 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from stages.serve.answer import Answer, Stream, Whole
-from stages.serve.batch_merge import Renames, merge_streams, merge_wholes
-from stages.serve.batch_split import Part
-from stages.serve.decode_leg import hand_off, run_decode
-from stages.serve.prefill_leg import run_prefill
-from stages.serve.request_context import RequestContext
+from stages.serve.proxy.answer import Answer, Stream, Whole
+from stages.serve.proxy.batch_merge import Renames, merge_streams, merge_wholes
+from stages.serve.proxy.batch_split import Part
+from stages.serve.proxy.decode_leg import hand_off, run_decode
+from stages.serve.proxy.prefill_leg import run_prefill
+from stages.serve.proxy.request_context import RequestContext
 
 
 async def serve_batch(

@@ -17,10 +17,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from stages.serve.workers import WorkerPool
+from stages.serve.proxy.workers import WorkerPool
 
 if TYPE_CHECKING:
-    from stages.serve.rejoin import SelfChecks
+    from stages.serve.proxy.rejoin import SelfChecks
 
 # Restarts so far of the worker at a URL (eldr serve's supervisor counts them).
 RestartCounts = Callable[[str], int]

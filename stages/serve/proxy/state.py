@@ -9,15 +9,15 @@ import aiohttp
 
 from stages.errors import EldrError
 from stages.routing.policies import needs_centroids
-from stages.serve.artifact_source import ArtifactLoader, load_from_store
-from stages.serve.config import ProxyConfig
-from stages.serve.decode_router import DecodeRouter
-from stages.serve.metrics import ProxyMetrics, RestartCounts, no_restarts
-from stages.serve.online_refit import FitFn, OnlineRefitter, balanced_fit
-from stages.serve.prefill_router import PrefillRouter
-from stages.serve.rejoin import SelfChecks
-from stages.serve.upstream import leg_timeout
-from stages.serve.workers import WorkerPool
+from stages.serve.proxy.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.decode_router import DecodeRouter
+from stages.serve.proxy.metrics import ProxyMetrics, RestartCounts, no_restarts
+from stages.serve.proxy.online_refit import FitFn, OnlineRefitter, balanced_fit
+from stages.serve.proxy.prefill_router import PrefillRouter
+from stages.serve.proxy.rejoin import SelfChecks
+from stages.serve.proxy.upstream import leg_timeout
+from stages.serve.proxy.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 

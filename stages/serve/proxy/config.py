@@ -51,7 +51,7 @@ class ProxyConfig:
     refit_interval_s: float = 2.0
     seed: int = 0
     # The served model: a worker (re)joining rotation must first answer a self-check prompt
-    # with a signature of its shape (stages.serve.rejoin). None: no check (a proxy built by
+    # with a signature of its shape (stages.serve.proxy.rejoin). None: no check (a proxy built by
     # hand, tests); eldr serve sets it unless --skip-self-check.
     self_check: ModelIdentity | None = None
     self_check_timeout_s: float = 120.0  # as the start-up check's (self_check.CHECK_TIMEOUT_S)

@@ -24,15 +24,15 @@ from typing import Any
 import aiohttp
 import anyio
 
-from stages.serve.answer import Answer, Stream, Whole
-from stages.serve.decode_router import Features
-from stages.serve.prefill_leg import run_prefill
-from stages.serve.request_context import RequestContext
-from stages.serve.responses import ProxyError, UpstreamClientError
-from stages.serve.sse import DONE_EVENT, IncompleteEvent, error_event, is_done, whole_events
-from stages.serve.state import ProxyState
-from stages.serve.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
-from stages.serve.workers import Lease
+from stages.serve.proxy.answer import Answer, Stream, Whole
+from stages.serve.proxy.decode_router import Features
+from stages.serve.proxy.prefill_leg import run_prefill
+from stages.serve.proxy.request_context import RequestContext
+from stages.serve.proxy.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.sse import DONE_EVENT, IncompleteEvent, error_event, is_done, whole_events
+from stages.serve.proxy.state import ProxyState
+from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
+from stages.serve.proxy.workers import Lease
 
 log = logging.getLogger(__name__)
 

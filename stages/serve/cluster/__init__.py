@@ -1,0 +1,1 @@
+"""The workers `eldr serve` owns: their flags, ports, start, stop and restarts."""
