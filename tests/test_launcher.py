@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from stages.engine import ServerSpec
 from stages.errors import EldrError
 from stages.serve.cluster.launcher import core_plan
 
@@ -245,3 +248,55 @@ def test_cluster_gives_its_tensor_parallel_decode_worker_a_core_per_rank(monkeyp
     prefill, decode = launcher.worker_specs(spec, [1, 2])
     assert (prefill.cpu_cores, prefill.tensor_parallel_size) == ("0", 1)
     assert (decode.cpu_cores, decode.tensor_parallel_size) == ("1|1", 2)
+
+
+def test_compiled_cpu_workers_of_one_configuration_wait_for_the_first() -> None:
+    from stages.serve.cluster.launcher import compile_leaders
+
+    prefill = ServerSpec(model="/small", port=1, role="prefill")
+    decode = ServerSpec(model="/wide", port=2, role="decode")
+    specs = [prefill, decode, replace(decode, port=3), replace(decode, port=4)]
+    # The prefill worker and the first decode worker start at once; the other decode workers
+    # wait for the first one's compile cache.
+    assert compile_leaders(specs, cpu=True) == [None, None, 1, 1]
+    assert compile_leaders(specs, cpu=False) == [None] * 4  # GPUs: each compiles on its own
+    eager = [replace(s, enforce_eager=True) for s in specs]
+    assert compile_leaders(eager, cpu=True) == [None] * 4  # nothing to compile
+    other = [decode, replace(decode, port=3, max_num_seqs=16)]
+    assert compile_leaders(other, cpu=True) == [None, None]  # other graphs
+
+
+def test_a_follower_starts_once_its_leader_is_ready(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import sys
+
+    import stages.engine as engine
+    import stages.serve.cluster.launcher as launcher
+
+    def command(spec: engine.ServerSpec) -> tuple[list[str], dict[str, str]]:
+        # A stand-in server: notes when it started, answers /health after 1 s.
+        code = (
+            "import http.server, time\n"
+            f"print('started', time.time(), flush=True); time.sleep(1)\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.end_headers()\n"
+            "    def log_message(self, *a): pass\n"
+            f"http.server.HTTPServer(('127.0.0.1', {spec.port}), H).serve_forever()\n"
+        )
+        return [sys.executable, "-c", code], {}
+
+    monkeypatch.setattr(engine, "server_command", command)
+    monkeypatch.setattr(launcher, "on_cpu", lambda: True)
+    cluster = launcher.Cluster(launcher.ClusterSpec(
+        model="/m", served_name="m", prefill=1, decode=2, base_port=free_range(3),
+        log_dir=tmp_path))
+    ready: list[int] = []
+    try:
+        cluster.start(on_ready=lambda server: ready.append(server.spec.port), timeout_s=60)
+        starts = [float(s.log_path.read_text().split()[1]) for s in cluster.servers]
+    finally:
+        cluster.stop()
+    assert [s.spec for s in cluster.servers] == cluster.specs
+    assert ready[-1] == cluster.specs[2].port  # the follower is ready last
+    assert abs(starts[1] - starts[0]) < 1.0  # prefill and the first decode worker together
+    assert starts[2] - starts[1] >= 1.0  # the second decode worker after the first was up
