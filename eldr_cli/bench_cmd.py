@@ -15,6 +15,14 @@ from stages.routing.policies import POLICIES
 ALL_POLICIES = ",".join(POLICIES)
 
 
+def _check_modes(simulate: bool, replay: bool, engine_cost: bool, another_pass: bool) -> None:
+    if replay and not simulate:
+        raise EldrError("--replay simulates a live run: add --simulate")
+    if another_pass and not engine_cost:
+        raise EldrError("--another-pass adds a pass to an engine-cost measurement: add"
+                        " --engine-cost")
+
+
 def _live_rates(text: str) -> list[float]:
     from stages.bench.capacity import parse_rates, resolve_rates
 
@@ -100,11 +108,7 @@ def bench(
     prompts_path = prompts or paths.EVALUATION_PROMPTS
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     options = policy_config(policy_options)
-    if replay and not simulate:
-        raise EldrError("--replay simulates a live run: add --simulate")
-    if another_pass and not engine_cost:
-        raise EldrError("--another-pass adds a pass to an engine-cost measurement: add"
-                        " --engine-cost")
+    _check_modes(simulate, bool(replay), engine_cost, another_pass)
     if simulate and replay:
         from stages.bench.replay_check import replay_and_validate
 
