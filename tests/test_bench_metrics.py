@@ -75,3 +75,17 @@ def test_no_successes_gives_nan_not_zero() -> None:
     assert m["completed"] == 0 and m["failed"] == 1
     assert math.isnan(m["median_tpot_ms"]) and math.isnan(m["p99_ttft_ms"])
     assert m["request_throughput"] == 0.0
+
+
+def test_every_reported_metric_is_a_key_a_bench_produces() -> None:
+    """The registry names keys that exist: client timings from ``summarize``, expert figures
+    from the decode workers' counters (or the simulator), so no table column or replay check
+    reads a key nothing writes."""
+    from stages.bench.metric_registry import METRICS
+    from stages.bench.results import EXPERT_KEYS
+
+    record = RequestRecord("a", True, prompt_tokens=4, output_tokens=3, ttft_s=0.1,
+                           latency_s=0.3, itl_s=(0.1, 0.1))
+    produced = set(summarize(RequestTable.from_records([record]), 1.0)) | set(EXPERT_KEYS)
+    assert [m.key for m in METRICS if m.key not in produced] == []
+    assert len({m.key for m in METRICS}) == len(METRICS)

@@ -194,8 +194,8 @@ def _live_results(folder: Path, ids: list[str], *, with_ids: bool = True, warmup
                     prompt_id=ids[i] if with_ids else "", queue_s=queue,
                 ))
         table = RequestTable.from_records(records)
-        metrics = {"p50_tpot_ms": 100.0, "p99_tpot_ms": 110.0, "p50_itl_ms": 100.0,
-                   "p99_itl_ms": 120.0, "distinct_experts_per_layer": 4.0, "p50_ttft_ms": 200.0}
+        metrics = {"median_tpot_ms": 100.0, "p99_tpot_ms": 110.0, "median_itl_ms": 100.0,
+                   "p99_itl_ms": 120.0, "distinct_experts_per_layer": 4.0, "median_ttft_ms": 200.0}
         results[name] = PolicyResult(name, metrics, table, tuple(records))
     state = {"prefill_workers": [{"index": 0}], "decode_workers": [{"index": 0}, {"index": 1}],
              "artifact_version": None, "config": {}}
@@ -222,7 +222,7 @@ def test_replay_reads_back_arrivals_prompts_lengths_cap_and_workers(arrays, tmp_
     assert segments[1].arrival_s == pytest.approx(np.arange(5) * 0.05)
     assert list(segments[0].output_tokens) == [12] * 5
     assert segments[0].tpot_s == pytest.approx([0.1] * 5)  # (1.3 - 0.2) / 11
-    assert run.metrics["rr"]["p50_tpot_ms"] == 100.0
+    assert run.metrics["rr"]["median_tpot_ms"] == 100.0
     workloads = replay_workloads(run, arrays, None)
     assert list(workloads["rr"][1].rows) == [5, 6, 7, 8, 9]
 
@@ -313,15 +313,16 @@ def test_replay_errors_are_one_clear_line(arrays, tmp_path) -> None:
 
 
 def test_validation_takes_the_live_spread_when_it_is_wider() -> None:
-    live_a = {"rr": {"p50_tpot_ms": 100.0, "p99_tpot_ms": 100.0, "distinct_experts_per_layer": 4.0}}
-    live_b = {"rr": {"p50_tpot_ms": 130.0, "p99_tpot_ms": 105.0, "distinct_experts_per_layer": 4.0}}
-    sim = {"rr": {"p50_tpot_ms": 120.0, "p99_tpot_ms": 120.0, "distinct_experts_per_layer": 4.3}}
+    experts = "distinct_experts_per_layer"
+    live_a = {"rr": {"median_tpot_ms": 100.0, "p99_tpot_ms": 100.0, experts: 4.0}}
+    live_b = {"rr": {"median_tpot_ms": 130.0, "p99_tpot_ms": 105.0, experts: 4.0}}
+    sim = {"rr": {"median_tpot_ms": 120.0, "p99_tpot_ms": 120.0, experts: 4.3}}
     a, _ = validate([Compared("a", "a", live_a, sim), Compared("b", "b", live_b, sim)])
     checks = a.checks["rr"]
-    assert checks["p50_tpot_ms"].ok  # +20%, inside the runs' 26% spread
+    assert checks["median_tpot_ms"].ok  # +20%, inside the runs' 26% spread
     assert checks["p99_tpot_ms"].ok is False  # +20%, past 10% (spread 5%)
     assert checks["distinct_experts_per_layer"].ok is False  # +7.5% > 5%
-    assert checks["p50_itl_ms"].ok is None  # shown, not judged
+    assert checks["median_itl_ms"].ok is None  # shown, not judged
     assert set(a.failures()) == {("rr", "p99_tpot_ms"), ("rr", "distinct_experts_per_layer")}
 
 
@@ -357,7 +358,7 @@ def test_cli_replays_a_live_run_and_saves_the_validation(arrays, tmp_path) -> No
     assert "TPOT p50 sim/live" in result.output and "validation" in result.output
     doc = orjson.loads((out / "replay-validation.json").read_bytes())
     assert set(doc["runs"][0]["policies"]) == {"rr", "jsq"}
-    assert doc["runs"][0]["policies"]["rr"]["p50_tpot_ms"]["live"] == 100.0
+    assert doc["runs"][0]["policies"]["rr"]["median_tpot_ms"]["live"] == 100.0
     assert "round by round, simulated over live TPOT p50 scatters" in result.output
     assert doc["runs"][0]["round_scatter"]["rounds"] == 4  # two policies, two rounds each
     assert (out / "replay-validation.png").stat().st_size > 0
@@ -402,7 +403,7 @@ def test_engine_pace_is_shown_beside_the_checks_never_judged() -> None:
     # jsq's live steps took twice what the model prices, the median policy's 1.25x.
     pace = engine_pace({"rr": 1.0, "p2c": 0.8, "jsq": 0.5})
     assert pace == pytest.approx({"rr": 0.8, "p2c": 1.0, "jsq": 1.6})
-    live = {p: {"p50_tpot_ms": 100.0, "p99_tpot_ms": 100.0, "distinct_experts_per_layer": 4.0}
+    live = {p: {"median_tpot_ms": 100.0, "p99_tpot_ms": 100.0, "distinct_experts_per_layer": 4.0}
             for p in pace}
     (run,) = validate([Compared("a", "a", live, live, pace)])
     assert not run.failures()

@@ -25,7 +25,8 @@ import numpy as np
 
 from stages.bench.agreement import Agreement, first_estimated, held_out_agreement, held_out_rows
 from stages.bench.locality_blend import blend_decode, check_strength
-from stages.bench.report import BASELINES, RATIO_KEYS, best_baseline, ratios_to_best
+from stages.bench.metric_registry import OVER_BEST
+from stages.bench.report import BASELINES, best_baseline, ratios_to_best
 from stages.bench.results import ComparisonResult
 from stages.bench.sim_workload import RoutingArtifact
 from stages.bench.simulator import SimConfig, simulate
@@ -191,10 +192,10 @@ def run_locality_sweep(
 def sweep_json(sweep: LocalitySweep, info: dict[str, Any]) -> dict[str, Any]:
     """The numbers behind the dial's plot (NaN as None)."""
     policies: dict[str, Any] = {}
-    ratios = {key: sweep.ratios(key) for key, _ in RATIO_KEYS}
+    ratios = {key: sweep.ratios(key) for key in (m.key for m in OVER_BEST)}
     for name in sweep.policies:
         entry: dict[str, Any] = {}
-        for key, _ in RATIO_KEYS:
+        for key in (m.key for m in OVER_BEST):
             entry[key] = [_num(c.results[name].metrics.get(key)) for c in sweep.comparisons]
             entry[f"{key}_over_best_balancer"] = [_num(v) for v in ratios[key][name]]
         entry["distinct_experts_per_layer"] = [
@@ -204,7 +205,7 @@ def sweep_json(sweep: LocalitySweep, info: dict[str, Any]) -> dict[str, Any]:
         policies[name] = entry
     best = {
         key: [b[0] if (b := best_baseline(c.metrics(), key)) else None for c in sweep.comparisons]
-        for key, _ in RATIO_KEYS
+        for key in (m.key for m in OVER_BEST)
     }
     return {
         **info,
@@ -239,7 +240,7 @@ def requests_per_policy(comparison: ComparisonResult) -> int:
 def format_dial(sweep: LocalitySweep) -> str:
     """One row per policy: TPOT p50 / p99 over the best load balancer at each strength."""
     head = ["policy", *(f"s={s:g}" for s in sweep.strengths)]
-    p50, p99 = (sweep.ratios(key) for key, _ in RATIO_KEYS)
+    p50, p99 = (sweep.ratios(key) for key in (m.key for m in OVER_BEST))
     rows = [head]
     if sweep.curve:
         at = dict(sweep.curve)

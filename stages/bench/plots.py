@@ -11,9 +11,9 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from stages.bench.report import RATIO_KEYS
+from stages.bench.metric_registry import OVER_BEST, RATE_PANELS, REPLAYED
 from stages.bench.results import ComparisonResult, PolicyResult, rate_label
-from stages.bench.validation import METRICS, RunCheck
+from stages.bench.validation import RunCheck
 
 if TYPE_CHECKING:
     from stages.bench.locality_sweep import LocalitySweep
@@ -72,11 +72,7 @@ def plot_tpot_distribution(
 
 def plot_rate_sweep(sweep: Sequence[ComparisonResult], path: Path, title: str = "") -> Path:
     """TPOT p50, TPOT p99 and distinct experts per layer against request rate."""
-    panels = (
-        ("median_tpot_ms", "TPOT p50 (ms)"),
-        ("p99_tpot_ms", "TPOT p99 (ms)"),
-        ("distinct_experts_per_layer", "distinct experts / layer / step"),
-    )
+    panels = [(m.key, m.axis) for m in RATE_PANELS]
     ordered = sorted(sweep, key=lambda c: c.request_rate)
     finite = [c for c in ordered if math.isfinite(c.request_rate)]
     policies = list(dict.fromkeys(p for c in finite for p in c.policies))
@@ -147,7 +143,7 @@ def plot_locality_dial(sweep: LocalitySweep, path: Path, title: str = "") -> Pat
     fig = Figure(figsize=(4.7 * panels, 4.6), layout="constrained")
     axes = list(fig.subplots(1, panels))
     xs = list(sweep.strengths)
-    for ax, (key, label) in zip(axes[:2], RATIO_KEYS, strict=True):
+    for ax, (key, label) in zip(axes[:2], ((m.key, m.label) for m in OVER_BEST), strict=True):
         for i, (name, ys) in enumerate(sweep.ratios(key).items()):
             ax.plot(xs, ys, label=name, **_style(i))
         ax.axhline(1.0, color="black", linewidth=0.8)
@@ -191,7 +187,7 @@ def plot_locality_dial(sweep: LocalitySweep, path: Path, title: str = "") -> Pat
 def plot_validation(runs: Sequence[RunCheck], path: Path, title: str = "") -> Path:
     """Simulated over live per policy, a panel per judged metric: one marker per live run
     (filled past its tolerance), the base tolerance shaded around 1."""
-    judged = [m for m in METRICS if m.tolerance is not None]
+    judged = [m for m in REPLAYED if m.tolerance is not None]
     policies = list(dict.fromkeys(p for r in runs for p in r.checks))
     fig = Figure(figsize=(4.6 * len(judged), 4.4), layout="constrained")
     axes = fig.subplots(1, len(judged))

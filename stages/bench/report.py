@@ -10,28 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from stages.bench.metric_registry import COLUMNS, OVER_BEST
 from stages.routing.policies import POLICIES
 
 # The load balancers: the registered policies that read neither features nor counts.
 BASELINES = tuple(
     name for name, cls in POLICIES.items() if not (cls.uses_signature or cls.uses_counts)
 )
-RATIO_KEYS = (("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"))
-COLUMNS = (
-    ("median_ttft_ms", "TTFT p50"),
-    ("p99_ttft_ms", "TTFT p99"),
-    ("median_tpot_ms", "TPOT p50"),
-    ("p99_tpot_ms", "TPOT p99"),
-    ("median_itl_ms", "ITL p50"),
-    ("p99_itl_ms", "ITL p99"),
-    ("median_e2el_ms", "E2EL p50"),
-    ("p99_e2el_ms", "E2EL p99"),
-    ("request_throughput", "req/s"),
-    ("output_throughput", "tok/s"),
-    ("failed", "fail"),
-    ("distinct_experts_per_layer", "experts/L"),
-)
-
 Metrics = Mapping[str, Mapping[str, float]]
 
 
@@ -64,7 +49,7 @@ def ratios_to_best(
 ) -> dict[str, dict[str, float]]:
     """policy -> {key: value / best baseline value} for the TPOT keys (NaN without one)."""
     out: dict[str, dict[str, float]] = {name: {} for name in metrics}
-    for key, _ in RATIO_KEYS:
+    for key in (m.key for m in OVER_BEST):
         best = best_baseline(metrics, key, baselines)
         for name, m in metrics.items():
             value = float(m.get(key, float("nan")))
@@ -78,12 +63,12 @@ def format_comparison(
 ) -> str:
     """A fixed-width table (milliseconds for latencies) plus the best-baseline footnote."""
     ratios = ratios_to_best(metrics, baselines)
-    header = ["policy", *(label for _, label in COLUMNS)]
-    header += [f"{label} /best" for _, label in RATIO_KEYS]
+    header = ["policy", *(m.label for m in COLUMNS)]
+    header += [f"{m.label} /best" for m in OVER_BEST]
     rows = [header]
     for name, m in metrics.items():
-        row = [name, *(_fmt(m.get(key)) for key, _ in COLUMNS)]
-        row += [_fmt(ratios[name][key]) for key, _ in RATIO_KEYS]
+        row = [name, *(_fmt(m.get(c.key)) for c in COLUMNS)]
+        row += [_fmt(ratios[name][c.key]) for c in OVER_BEST]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [title] if title else []
@@ -94,10 +79,10 @@ def format_comparison(
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     notes = []
-    for key, label in RATIO_KEYS:
-        best = best_baseline(metrics, key, baselines)
+    for metric in OVER_BEST:
+        best = best_baseline(metrics, metric.key, baselines)
         if best is not None:
-            notes.append(f"{label} {best[0]} {_fmt(best[1])} ms")
+            notes.append(f"{metric.label} {best[0]} {_fmt(best[1])} {metric.unit}")
     lines.append(
         "best baseline: " + ", ".join(notes) if notes else "no baseline policy in this run"
     )

@@ -16,27 +16,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from stages.bench.metric_registry import REPLAYED
 from stages.bench.round_scatter import RoundScatter
 
 Metrics = Mapping[str, Mapping[str, float]]  # policy -> metric key -> value
-
-
-@dataclass(frozen=True)
-class Metric:
-    key: str
-    label: str
-    tolerance: float | None  # relative; None: shown, not judged
-    spread_counts: bool = False  # the live run-to-run spread widens the tolerance
-
-
-METRICS = (
-    Metric("p50_tpot_ms", "TPOT p50", 0.10, spread_counts=True),
-    Metric("p99_tpot_ms", "TPOT p99", 0.10, spread_counts=True),
-    Metric("p50_itl_ms", "ITL p50", None),
-    Metric("p99_itl_ms", "ITL p99", None),
-    Metric("distinct_experts_per_layer", "experts/L", 0.05),
-    Metric("p50_ttft_ms", "TTFT p50", None),
-)
 
 
 @dataclass(frozen=True)
@@ -110,7 +93,7 @@ def validate(runs: Sequence[Compared]) -> list[RunCheck]:
             if policy not in sim:
                 continue
             row = {}
-            for metric in METRICS:
+            for metric in REPLAYED:
                 tolerance = metric.tolerance
                 if tolerance is not None and metric.spread_counts:
                     tolerance = max(tolerance, live_spread(lives, policy, metric.key))
@@ -132,18 +115,18 @@ def _cell(check: Check) -> str:
 def format_run_check(run: RunCheck) -> str:
     """One row per policy: sim/live and their ratio per metric, ``!`` past its tolerance."""
     width = max([len("policy"), *(len(p) for p in run.checks)])
-    cells = {p: [_cell(row[m.key]) for m in METRICS] for p, row in run.checks.items()}
+    cells = {p: [_cell(row[m.key]) for m in REPLAYED] for p, row in run.checks.items()}
     widths = [
         max(len(m.label + " sim/live"), *(len(c[i]) for c in cells.values()))
-        for i, m in enumerate(METRICS)
+        for i, m in enumerate(REPLAYED)
     ]
     pace_label = "live engine"
     head = f"{'policy':<{width}}  " + "  ".join(
-        f"{m.label + ' sim/live':>{w}}" for m, w in zip(METRICS, widths, strict=True)
+        f"{m.label + ' sim/live':>{w}}" for m, w in zip(REPLAYED, widths, strict=True)
     ) + (f"  {pace_label}" if run.engine_pace else "")
     lines = [run.header, head + "  verdict", "-" * (len(head) + 9)]
     for policy, row in run.checks.items():
-        failed = [m for m in METRICS if row[m.key].ok is False]
+        failed = [m for m in REPLAYED if row[m.key].ok is False]
         verdict = "ok" if not failed else "off: " + ", ".join(
             f"{m.label} {row[m.key].ratio - 1:+.0%} (tol {row[m.key].tolerance:.0%})"
             for m in failed
@@ -167,7 +150,7 @@ def _pace(pace: float | None) -> str:
 def format_validation(runs: Sequence[RunCheck]) -> str:
     judged = ", ".join(
         f"{m.label} within {m.tolerance:.0%}" + (" or the live spread" if m.spread_counts else "")
-        for m in METRICS
+        for m in REPLAYED
         if m.tolerance is not None
     )
     failures = sum(len(r.failures()) for r in runs)
@@ -196,7 +179,7 @@ def validation_json(runs: Sequence[RunCheck]) -> dict[str, object]:
     return {
         "metrics": {
             m.key: {"label": m.label, "tolerance": m.tolerance, "spread_counts": m.spread_counts}
-            for m in METRICS
+            for m in REPLAYED
         },
         "passed": not any(r.failures() for r in runs),
         "runs": [

@@ -1,0 +1,56 @@
+"""Every figure a bench reports, named once: its key in a policy's results, its label and unit,
+and where it appears. The comparison table, its ratios to the best load balancer, the
+rate-sweep plot and the replay's simulated-against-live checks all read ``METRICS``; adding a
+reported metric is one entry here (a new quantity also needs the code that measures it, in
+``metrics.summarize`` for client timings or the decode workers' counters).
+
+Keys are ``vllm bench serve``'s where vLLM has the figure (``median_tpot_ms``...), so a
+policy's results file keeps every key of vLLM's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    unit: str  # "ms", "req/s", "tok/s", "requests" or "experts"
+    column: bool = False  # a column of the comparison table
+    over_best: bool = False  # also divided by the best load balancer's (the "/best" columns)
+    rate_panel: bool = False  # a panel of the plot against request rate
+    replayed: bool = False  # shown simulated against live by a replay
+    tolerance: float | None = None  # relative: a replay judges it within this; None: shown
+    spread_counts: bool = False  # the live run-to-run spread widens the tolerance
+
+    @property
+    def axis(self) -> str:
+        return f"{self.label} ({self.unit})"
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("median_ttft_ms", "TTFT p50", "ms", column=True, replayed=True),
+    Metric("p99_ttft_ms", "TTFT p99", "ms", column=True),
+    Metric("median_tpot_ms", "TPOT p50", "ms", column=True, over_best=True, rate_panel=True,
+           replayed=True, tolerance=0.10, spread_counts=True),
+    Metric("p99_tpot_ms", "TPOT p99", "ms", column=True, over_best=True, rate_panel=True,
+           replayed=True, tolerance=0.10, spread_counts=True),
+    Metric("median_itl_ms", "ITL p50", "ms", column=True, replayed=True),
+    Metric("p99_itl_ms", "ITL p99", "ms", column=True, replayed=True),
+    Metric("median_e2el_ms", "E2EL p50", "ms", column=True),
+    Metric("p99_e2el_ms", "E2EL p99", "ms", column=True),
+    Metric("request_throughput", "req/s", "req/s", column=True),
+    Metric("output_throughput", "tok/s", "tok/s", column=True),
+    Metric("failed", "fail", "requests", column=True),
+    # Distinct experts per MoE layer a decode step read: the decode workers' counters live,
+    # the simulated steps in a simulation.
+    Metric("distinct_experts_per_layer", "experts/L", "experts", column=True, rate_panel=True,
+           replayed=True, tolerance=0.05),
+)
+
+COLUMNS = tuple(m for m in METRICS if m.column)
+OVER_BEST = tuple(m for m in METRICS if m.over_best)
+RATE_PANELS = tuple(m for m in METRICS if m.rate_panel)
+REPLAYED = tuple(m for m in METRICS if m.replayed)
