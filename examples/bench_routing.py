@@ -8,7 +8,7 @@ bookkeeping). Workers hold a steady number of in-flight requests (each new reque
 oldest), so eldr-union's per-worker expert unions are those of a busy cluster; completion is
 timed apart, since it runs when a request ends, not while one waits for its worker.
 
-Synthetic Qwen3-30B-A3B-shaped signatures (``stages.bench.synthetic``: 48 layers x 128
+Synthetic Qwen3-30B-A3B-shaped signatures (``stages.bench.sim.synthetic``: 48 layers x 128
 experts, top-8, one domain per worker); centroid policies get a real ``SignatureTransform``
 (IDF over these signatures) and one centroid per domain. The paper reports 0.15 ms per routing
 decision; the goal here is p99 <= 50 us, signature decode included. Beside each policy, a
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
+from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
 from stages.routing.policies import POLICIES
 from stages.serve.proxy.decode_router import Decision, DecodeRouter
 from stages.signature import wire

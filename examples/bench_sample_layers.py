@@ -3,7 +3,7 @@
 eldr-union scores each worker on the expert unions of an evenly spaced subset of the layers
 (``sample_layers``), which bounds a routing decision's cost (``examples/bench_routing.py``).
 This simulates a Qwen3-30B-A3B-shaped model (synthetic: 48 MoE layers x 128 experts, top-8,
-``stages.bench.synthetic``) on 8P16D with the GPU-like cost, at three localities: the synthetic
+``stages.bench.sim.synthetic``) on 8P16D with the GPU-like cost, at three localities: the synthetic
 default (a request follows its domain with weight 0.7), weak (weight 0.15), and none (decode
 profiles swapped between requests, ``locality_blend = 1``). Each cell is eldr-union's TPOT p50
 / p99 over jsq's on the same arrivals.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 
-from stages.bench.simulator import SimConfig, simulate
-from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+from stages.bench.sim.simulator import SimConfig, simulate
+from stages.bench.sim.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
 from stages.routing.cost_model import gpu_like
 from stages.routing.policy_config import PolicyConfig
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from stages.bench.plots import write_plots
 from stages.bench.report import format_comparison
 from stages.bench.results import ComparisonResult
-from stages.bench.sim_workload import RoutingArtifact
-from stages.bench.simulator import SimConfig, simulate
-from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+from stages.bench.sim.sim_workload import RoutingArtifact
+from stages.bench.sim.simulator import SimConfig, simulate
+from stages.bench.sim.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
 from stages.errors import EldrError
 from stages.routing.cost_model import CostModel, cpu_like, gpu_like
 from stages.signature.dataset import SignatureArrays, SignatureDataset

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from stages.bench.arrivals import poisson_arrivals, poisson_arrivals_until
+from stages.bench.live.arrivals import poisson_arrivals, poisson_arrivals_until
 from stages.errors import EldrError
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import orjson
 import pytest
 
-from stages.bench.engine_cost import EngineCostConfig, measure_engine_cost
-from stages.bench.engine_cost_passes import (
+from stages.bench.cost.engine_cost import EngineCostConfig, measure_engine_cost
+from stages.bench.cost.engine_cost_passes import (
     PASSES_FILE,
     ProbePass,
     check_same_deployment,
@@ -137,7 +137,7 @@ def test_the_cli_adds_a_pass_prints_the_drift_and_refits(
     from starlette.routing import Route
     from typer.testing import CliRunner
 
-    import stages.bench.live_run as live_run
+    import stages.bench.live.live_run as live_run
     from eldr_cli.app import app
     from stages.routing.cost_model import CostModel
 

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from stages.bench.engine_cost import EngineCostConfig, batch_prompts, measure_engine_cost
-from stages.bench.loadgen import BenchConfig, interleaved_plan, run_policy_comparison
+from stages.bench.cost.engine_cost import EngineCostConfig, batch_prompts, measure_engine_cost
+from stages.bench.live.loadgen import BenchConfig, interleaved_plan, run_policy_comparison
 from stages.bench.plots import write_plots
 from stages.bench.report import format_comparison
 from stages.prompts import Prompt
@@ -370,7 +370,7 @@ def test_engine_cost_fit_recovers_the_engine(tmp_path: Path) -> None:
 
 
 def test_warmup_excludes_early_requests_of_each_round(tmp_path: Path) -> None:
-    from stages.bench.arrivals import poisson_arrivals
+    from stages.bench.live.arrivals import poisson_arrivals
 
     fake = FakeProxy()
     lines = [

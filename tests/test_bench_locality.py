@@ -8,19 +8,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.bench.agreement import held_out_agreement
-from stages.bench.capacity import (
+from stages.bench.sim.agreement import held_out_agreement
+from stages.bench.sim.capacity import (
     AUTO_FRACTIONS,
     RateSpec,
     cluster_capacity,
     parse_rates,
     resolve_rates,
 )
-from stages.bench.expert_union import DecodeProfiles, ExpertUnion
-from stages.bench.locality_blend import blend_decode, blend_partners
-from stages.bench.locality_sweep import locality_gauge, locate, run_locality_sweep, sweep_json
-from stages.bench.simulator import SimConfig, simulate
-from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+from stages.bench.sim.expert_union import DecodeProfiles, ExpertUnion
+from stages.bench.sim.locality_blend import blend_decode, blend_partners
+from stages.bench.sim.locality_sweep import locality_gauge, locate, run_locality_sweep, sweep_json
+from stages.bench.sim.simulator import SimConfig, simulate
+from stages.bench.sim.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
 from stages.errors import EldrError
 from stages.fit.artifact import ArtifactStore
 from stages.fit.gain import GainConfig

@@ -11,14 +11,14 @@ import orjson
 import pytest
 
 from stages.bench.metrics import RequestRecord, RequestTable
-from stages.bench.replay import load_live_runs, replay_workloads
+from stages.bench.replay.saved_run import load_live_runs, replay_workloads
+from stages.bench.replay.validation import Compared, validate
+from stages.bench.replay.worker_cores import live_core_plan
 from stages.bench.results import ComparisonResult, PolicyResult, save_comparison
-from stages.bench.shared_cores import SharedCores, core_groups
-from stages.bench.sim_workload import workload_of
-from stages.bench.simulator import SimConfig, simulate, simulate_segments
-from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
-from stages.bench.validation import Compared, validate
-from stages.bench.worker_cores import live_core_plan
+from stages.bench.sim.shared_cores import SharedCores, core_groups
+from stages.bench.sim.sim_workload import workload_of
+from stages.bench.sim.simulator import SimConfig, simulate, simulate_segments
+from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
 from stages.errors import EldrError
 from stages.routing.cost_model import CostModel
 from stages.signature.dataset import SignatureArrays
@@ -177,7 +177,7 @@ def _live_results(folder: Path, ids: list[str], *, with_ids: bool = True, warmup
                   seed: int | None = 0) -> None:
     """What `eldr bench` saves: every request of every round, per policy, in plan order
     (``seed`` None: as saved before the bench seeded each round's policy)."""
-    from stages.bench.loadgen import interleaved_plan
+    from stages.bench.live.loadgen import interleaved_plan
 
     arrival = np.cumsum(np.full(len(ids), 0.05)) - 0.05
     plan = interleaved_plan(len(ids), policies, rounds, seed or 0)
@@ -228,7 +228,7 @@ def test_replay_reads_back_arrivals_prompts_lengths_cap_and_workers(arrays, tmp_
 
 
 def test_results_without_timings_replay_with_no_round_scatter(arrays, tmp_path) -> None:
-    from stages.bench.round_scatter import round_scatter
+    from stages.bench.replay.round_scatter import round_scatter
 
     ids = [str(i) for i in arrays.ids[:10]]
     _live_results(tmp_path, ids)
@@ -372,7 +372,7 @@ def test_cli_replays_a_live_run_and_saves_the_validation(arrays, tmp_path) -> No
 
 
 def test_a_replayed_run_finds_the_artifacts_of_its_own_home(tmp_path, monkeypatch) -> None:
-    from stages.bench.replay_run import store_beside
+    from stages.bench.replay.replay_run import store_beside
 
     monkeypatch.setenv("ELDR_HOME", str(tmp_path / "default-home"))
     (tmp_path / "run1" / "results").mkdir(parents=True)
@@ -384,7 +384,7 @@ def test_a_replayed_run_finds_the_artifacts_of_its_own_home(tmp_path, monkeypatc
 
 
 def test_cost_level_prices_the_live_steps_at_their_own_batch_and_experts() -> None:
-    from stages.bench.replay_run import cost_level
+    from stages.bench.replay.replay_run import cost_level
 
     # 12 requests of 12 tokens: 132 decode tokens over 44 steps, a batch of 3; COST's step at
     # batch 3 and 4 experts per layer is 10 + 3 + 2 x 2 x 4 = 29 ms.
@@ -397,8 +397,8 @@ def test_cost_level_prices_the_live_steps_at_their_own_batch_and_experts() -> No
 
 
 def test_engine_pace_is_shown_beside_the_checks_never_judged() -> None:
-    from stages.bench.replay_run import engine_pace
-    from stages.bench.validation import format_validation, validation_json
+    from stages.bench.replay.replay_run import engine_pace
+    from stages.bench.replay.validation import format_validation, validation_json
 
     # jsq's live steps took twice what the model prices, the median policy's 1.25x.
     pace = engine_pace({"rr": 1.0, "p2c": 0.8, "jsq": 0.5})

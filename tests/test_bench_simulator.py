@@ -7,10 +7,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from stages.bench.arrivals import poisson_arrivals_until
-from stages.bench.expert_union import DecodeProfiles, ExpertUnion
-from stages.bench.simulator import SimConfig, simulate, simulate_sweep
-from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+from stages.bench.live.arrivals import poisson_arrivals_until
+from stages.bench.sim.expert_union import DecodeProfiles, ExpertUnion
+from stages.bench.sim.simulator import SimConfig, simulate, simulate_sweep
+from stages.bench.sim.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
 from stages.errors import EldrError
 from stages.routing.cost_model import CostModel
 from stages.signature.dataset import SignatureArrays

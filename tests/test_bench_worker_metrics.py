@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from stages.bench.worker_metrics import (
+from stages.bench.live.worker_metrics import (
     DecodeCounters,
     counter_delta,
     decode_counters,

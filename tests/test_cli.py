@@ -152,10 +152,10 @@ def test_bench_prints_the_comparison_table_and_plots(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`eldr bench` end to end over a stubbed load run (the real one is in the demo)."""
-    import stages.bench.loadgen as loadgen
+    import stages.bench.live.loadgen as loadgen
     from stages.bench.results import ComparisonResult
-    from stages.bench.simulator import SimConfig, simulate
-    from stages.bench.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+    from stages.bench.sim.simulator import SimConfig, simulate
+    from stages.bench.sim.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
     from stages.routing.cost_model import gpu_like
 
     spec = SyntheticSpec(num_requests=200, num_layers=4, num_experts=16, top_k=2,

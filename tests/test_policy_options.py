@@ -101,8 +101,8 @@ def test_every_option_is_settable_through_the_admin_api(name: str, key: str) -> 
 def test_every_option_is_settable_in_the_simulator(
     name: str, key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import stages.bench.simulator as simulator
-    from stages.bench.synthetic import SyntheticSpec, synthetic_signatures
+    import stages.bench.sim.simulator as simulator
+    from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
     from stages.routing.cost_model import gpu_like
     from stages.signature.dataset import ModelIdentity
     from tests.fakes.artifact import FakeArtifact, plain_transform

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from stages.bench.metrics import RequestTable
-from stages.bench.round_scatter import round_medians, round_scatter, simulated_round_tpot
+from stages.bench.replay.round_scatter import round_medians, round_scatter, simulated_round_tpot
 
 
 def test_round_medians_skip_failures_and_leave_empty_rounds_nan() -> None:

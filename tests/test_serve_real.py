@@ -313,8 +313,8 @@ def test_results_files_carry_every_key_of_vllms_own_benchmark(
 
 
 def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) -> None:
-    from stages.bench.engine_cost import EngineCostConfig, measure_engine_cost
-    from stages.bench.engine_cost_passes import ProbePass, drift, excluded_prompts, fit_passes
+    from stages.bench.cost.engine_cost import EngineCostConfig, measure_engine_cost
+    from stages.bench.cost.engine_cost_passes import ProbePass, drift, excluded_prompts, fit_passes
     from stages.paths import EVALUATION_PROMPTS
 
     workers = deployment.decode_urls[:1]

@@ -12,11 +12,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from stages.bench.metric_registry import OVER_BEST, RATE_PANELS, REPLAYED
+from stages.bench.replay.validation import RunCheck
 from stages.bench.results import ComparisonResult, PolicyResult, rate_label
-from stages.bench.validation import RunCheck
 
 if TYPE_CHECKING:
-    from stages.bench.locality_sweep import LocalitySweep
+    from stages.bench.sim.locality_sweep import LocalitySweep
 
 
 def _save(fig: Figure, path: Path) -> Path:

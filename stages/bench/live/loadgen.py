@@ -25,9 +25,15 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from stages.bench.admin import ProxyAdmin, decode_worker_urls
-from stages.bench.arrivals import poisson_arrivals
-from stages.bench.client import CompletionSettings, stream_completion
+from stages.bench.live.admin import ProxyAdmin, decode_worker_urls
+from stages.bench.live.arrivals import poisson_arrivals
+from stages.bench.live.client import CompletionSettings, stream_completion
+from stages.bench.live.worker_metrics import (
+    ExpertStats,
+    Scrape,
+    expert_stats,
+    scrape_decode_counters,
+)
 from stages.bench.metrics import (
     RequestRecord,
     RequestTable,
@@ -36,12 +42,6 @@ from stages.bench.metrics import (
     summarize,
 )
 from stages.bench.results import ComparisonResult, PolicyResult, rate_label, save_comparison
-from stages.bench.worker_metrics import (
-    ExpertStats,
-    Scrape,
-    expert_stats,
-    scrape_decode_counters,
-)
 from stages.errors import EldrError
 from stages.prompts import Prompt, load_prompts, sample_prompts
 from stages.routing.policy_config import PolicyConfig

@@ -23,9 +23,9 @@ import numpy as np
 import orjson
 
 from stages import paths
-from stages.bench.loadgen import Segment, interleaved_plan
+from stages.bench.live.loadgen import Segment, interleaved_plan
 from stages.bench.metrics import request_tpot_s
-from stages.bench.sim_workload import RoutingArtifact, Workload, workload_of
+from stages.bench.sim.sim_workload import RoutingArtifact, Workload, workload_of
 from stages.errors import EldrError
 from stages.prompts import load_prompts, sample_prompts
 from stages.routing.policies import POLICIES

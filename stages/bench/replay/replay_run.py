@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from stages import paths
-from stages.bench.replay import LiveRun, load_live_runs, replay_workloads
+from stages.bench.replay.round_scatter import round_scatter, simulated_round_tpot
+from stages.bench.replay.saved_run import LiveRun, load_live_runs, replay_workloads
+from stages.bench.replay.validation import Compared, Metrics
+from stages.bench.replay.worker_cores import CorePlan, live_core_plan
 from stages.bench.results import PolicyResult, rate_label
-from stages.bench.round_scatter import round_scatter, simulated_round_tpot
-from stages.bench.simulator import SimConfig, simulate_segments
-from stages.bench.validation import Compared, Metrics
-from stages.bench.worker_cores import CorePlan, live_core_plan
+from stages.bench.sim.simulator import SimConfig, simulate_segments
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, load_for_serving
 from stages.routing.cost_model import CostModel

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stages import paths
-from stages.bench.loadgen import BenchConfig
+from stages.bench.live.loadgen import BenchConfig
 from stages.errors import EldrError
 
 __all__ = ["BenchConfig", "artifact_num_layers", "run_live"]
@@ -27,7 +27,7 @@ def artifact_num_layers() -> int | None:
 
 def run_live(config: BenchConfig, rates: list[float], echo: Callable[[str], None]) -> None:
     """Bench ``config``'s policies at each rate (``config.request_rate`` is replaced)."""
-    from stages.bench.loadgen import run_rate_sweep
+    from stages.bench.live.loadgen import run_rate_sweep
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
     from stages.bench.results import live_shape

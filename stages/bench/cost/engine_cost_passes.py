@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from stages.bench.engine_cost import (
+from stages.bench.cost.engine_cost import (
     EngineCostResult,
     Measurement,
     fit_measurements,

@@ -14,7 +14,7 @@ from stages.routing.policies import needs_centroids
 from stages.routing.policy_config import PolicyConfig
 
 if TYPE_CHECKING:
-    from stages.bench.simulator import SimConfig
+    from stages.bench.sim.simulator import SimConfig
     from stages.fit.artifact import Artifact
     from stages.signature.dataset import SignatureArrays, SignatureDataset
 
@@ -42,12 +42,12 @@ class SimulateOptions:
 def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
     """Simulate ``o``'s cluster on the stored signatures at each request rate (or sweep the
     locality dial at one), print each comparison and write its results and plots."""
-    from stages.bench.capacity import cluster_capacity, parse_rates, resolve_rates
-    from stages.bench.locality_sweep import parse_strengths
     from stages.bench.plots import write_plots
     from stages.bench.report import format_comparison
     from stages.bench.results import ComparisonResult, save_comparison
-    from stages.bench.simulator import SimConfig, simulate
+    from stages.bench.sim.capacity import cluster_capacity, parse_rates, resolve_rates
+    from stages.bench.sim.locality_sweep import parse_strengths
+    from stages.bench.sim.simulator import SimConfig, simulate
     from stages.fit.artifact import load_for_serving
     from stages.routing.cost_model import cost_model_for
     from stages.signature.dataset import SignatureDataset
@@ -109,15 +109,15 @@ def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: Signat
                     echo: Callable[[str], None]) -> None:
     import orjson
 
-    from stages.bench.locality_sweep import (
+    from stages.bench.plots import plot_locality_dial
+    from stages.bench.results import rate_label
+    from stages.bench.sim.locality_sweep import (
         format_dial,
         locality_gauge,
         requests_per_policy,
         run_locality_sweep,
         sweep_json,
     )
-    from stages.bench.plots import plot_locality_dial
-    from stages.bench.results import rate_label
     from stages.fit.artifact import ArtifactStore
 
     gauge = None

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stages.bench.shared_cores import core_groups
+from stages.bench.sim.shared_cores import core_groups
 from stages.engine import on_cpu, parse_cores
 from stages.errors import EldrError
 from stages.serve.cluster.launcher import core_plan

@@ -20,9 +20,12 @@ def run_engine_cost(url: str, prompts: Path, result_dir: Path, seed: int, anothe
 
     import httpx
 
-    from stages.bench.admin import ProxyAdmin, decode_worker_urls
-    from stages.bench.engine_cost import EngineCostConfig, format_engine_cost, measure_engine_cost
-    from stages.bench.engine_cost_passes import (
+    from stages.bench.cost.engine_cost import (
+        EngineCostConfig,
+        format_engine_cost,
+        measure_engine_cost,
+    )
+    from stages.bench.cost.engine_cost_passes import (
         PASSES_FILE,
         ProbePass,
         check_same_deployment,
@@ -32,7 +35,8 @@ def run_engine_cost(url: str, prompts: Path, result_dir: Path, seed: int, anothe
         load_passes,
         save_passes,
     )
-    from stages.bench.worker_cores import live_core_plan
+    from stages.bench.live.admin import ProxyAdmin, decode_worker_urls
+    from stages.bench.replay.worker_cores import live_core_plan
 
     async def read_state() -> dict[str, object]:
         async with httpx.AsyncClient() as client:

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stages.bench.agreement import Agreement, first_estimated, held_out_agreement, held_out_rows
-from stages.bench.locality_blend import blend_decode, check_strength
 from stages.bench.metric_registry import OVER_BEST
 from stages.bench.report import BASELINES, best_baseline, ratios_to_best
 from stages.bench.results import ComparisonResult
-from stages.bench.sim_workload import RoutingArtifact
-from stages.bench.simulator import SimConfig, simulate
+from stages.bench.sim.agreement import Agreement, first_estimated, held_out_agreement, held_out_rows
+from stages.bench.sim.locality_blend import blend_decode, check_strength
+from stages.bench.sim.sim_workload import RoutingArtifact
+from stages.bench.sim.simulator import SimConfig, simulate
 from stages.errors import EldrError
 from stages.signature.dataset import SignatureArrays
 

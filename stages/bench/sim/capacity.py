@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.bench.sim_workload import output_lengths
+from stages.bench.sim.sim_workload import output_lengths
 from stages.errors import EldrError
 from stages.routing.cost_model import CostModel
 from stages.signature.dataset import SignatureArrays

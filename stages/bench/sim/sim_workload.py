@@ -2,10 +2,10 @@
 
 Arrivals are Poisson over the run; each request is a dataset row drawn with replacement (its
 prompt length, prefill signature and decode profile). A replay of a live run
-(``stages.bench.replay``) gives its own arrivals, rows and lengths instead. When a request is
-sent, and so when its prefill runs, is the simulator's business: under a concurrency cap it
-depends on how fast the policy's decode frees slots. How much a row's prefill says about its
-decode is the dataset's business too: the simulator blends it first for the locality dial
+(``stages.bench.replay.saved_run``) gives its own arrivals, rows and lengths instead. When a
+request is sent, and so when its prefill runs, is the simulator's business: under a concurrency
+cap it depends on how fast the policy's decode frees slots. How much a row's prefill says about
+its decode is the dataset's business too: the simulator blends it first for the locality dial
 (``locality_blend``).
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from stages.bench.arrivals import poisson_arrivals_until
+from stages.bench.live.arrivals import poisson_arrivals_until
 from stages.errors import EldrError
 from stages.signature.dataset import SignatureArrays
 

@@ -1,9 +1,9 @@
 """Discrete-event model of a PD-disaggregated MoE cluster, driven by the proxy's own policies.
 
 Per request, as the load generator and the proxy run it: arrival (Poisson, or a live run's
-schedule: ``stages.bench.replay``) -> sent once fewer than ``max_concurrency`` requests are in
-flight (the load generator's cap; FIFO; None: open loop) -> prefill on the least-loaded
-prefill worker (FIFO, one prompt at a time) -> at prefill end the decode policy
+schedule: ``stages.bench.replay.saved_run``) -> sent once fewer than ``max_concurrency``
+requests are in flight (the load generator's cap; FIFO; None: open loop) -> prefill on the
+least-loaded prefill worker (FIFO, one prompt at a time) -> at prefill end the decode policy
 (``make_policy``, the very classes the proxy runs, built afresh for every segment as the
 proxy's policy switch does, on the segment's seed: a live round's, or the simulation's) picks
 a decode worker from the in-flight counts and the request's prefill signature (read by the
@@ -41,12 +41,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from stages.bench.expert_union import DecodeProfiles, ExpertUnion
-from stages.bench.locality_blend import blend_decode, check_strength
 from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import ComparisonResult, PolicyResult
-from stages.bench.shared_cores import SHARING_MODES, SharedCores, StepEnd
-from stages.bench.sim_workload import RoutingArtifact, Workload, build_workload
+from stages.bench.sim.expert_union import DecodeProfiles, ExpertUnion
+from stages.bench.sim.locality_blend import blend_decode, check_strength
+from stages.bench.sim.shared_cores import SHARING_MODES, SharedCores, StepEnd
+from stages.bench.sim.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel

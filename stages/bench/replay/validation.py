@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from stages.bench.metric_registry import REPLAYED
-from stages.bench.round_scatter import RoundScatter
+from stages.bench.replay.round_scatter import RoundScatter
 
 Metrics = Mapping[str, Mapping[str, float]]  # policy -> metric key -> value
 

@@ -38,13 +38,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from stages.bench.client import CompletionSettings, stream_completion
-from stages.bench.metrics import RequestRecord
-from stages.bench.worker_metrics import (
+from stages.bench.live.client import CompletionSettings, stream_completion
+from stages.bench.live.worker_metrics import (
     DecodeCounters,
     counter_delta,
     scrape_decode_counters,
 )
+from stages.bench.metrics import RequestRecord
 from stages.errors import EldrError
 from stages.prompts import Prompt, load_prompts
 from stages.routing.cost_model import (

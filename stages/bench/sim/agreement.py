@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.bench.sim_workload import RoutingArtifact
+from stages.bench.sim.sim_workload import RoutingArtifact
 from stages.fit.gain import GainConfig, estimate_gain
 from stages.fit.pipeline import split_requests
 from stages.signature.dataset import SignatureArrays

@@ -1,0 +1,1 @@
+"""Live runs replayed in the simulator and judged against what they measured."""
