@@ -24,7 +24,7 @@ def _check_modes(simulate: bool, replay: bool, engine_cost: bool, another_pass: 
 
 
 def _live_rates(text: str) -> list[float]:
-    from stages.bench.capacity import parse_rates, resolve_rates
+    from stages.bench.sim.capacity import parse_rates, resolve_rates
 
     return resolve_rates(parse_rates(text), None)
 
@@ -110,12 +110,12 @@ def bench(
     options = policy_config(policy_options)
     _check_modes(simulate, bool(replay), engine_cost, another_pass)
     if simulate and replay:
-        from stages.bench.replay_check import replay_and_validate
+        from stages.bench.replay.replay_check import replay_and_validate
 
         replay_and_validate(replay, data, store, cost, result_dir, seed, prompts,
                             tuple(worker_cores.split("|")) if worker_cores else None, typer.echo)
     elif simulate:
-        from stages.bench.simulate_run import SimulateOptions, run_simulate
+        from stages.bench.sim.simulate_run import SimulateOptions, run_simulate
 
         run_simulate(SimulateOptions(
             policies=names, result_dir=result_dir, data=data, store=store,
@@ -125,13 +125,13 @@ def bench(
             policy_config=options,
         ), typer.echo)
     elif engine_cost:
-        from stages.bench.engine_cost_run import run_engine_cost
-        from stages.bench.live_run import artifact_num_layers
+        from stages.bench.cost.engine_cost_run import run_engine_cost
+        from stages.bench.live.live_run import artifact_num_layers
 
         run_engine_cost(url, prompts_path, result_dir, seed, another_pass, artifact_num_layers(),
                         echo=typer.echo, warn=lambda line: typer.echo(line, err=True))
     else:
-        from stages.bench.live_run import BenchConfig, artifact_num_layers, run_live
+        from stages.bench.live.live_run import BenchConfig, artifact_num_layers, run_live
 
         rates = _live_rates(request_rate)
         run_live(BenchConfig(
