@@ -73,6 +73,9 @@ def serve(
     api_key: Annotated[str | None, typer.Option(
         envvar=["ELDR_API_KEY", "VLLM_API_KEY"], help="Key clients must send (Authorization:"
         " Bearer) on /v1 and /admin routes, as vLLM's --api-key.", show_default=False)] = None,
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="Serve /v1 with no API key on an address other machines reach"
+        " (refused otherwise); /admin stays locked without --admin-api-key.")] = False,
     admin_api_key: Annotated[str | None, typer.Option(
         envvar="ELDR_ADMIN_API_KEY", help="A separate key for the /admin routes (policy and"
         " artifact switches). Default: --api-key.", show_default=False)] = None,
@@ -103,7 +106,8 @@ def serve(
         online_refit=online_refit, worker_cores=worker_cores, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, enforce_eager=enforce_eager, prefill_tp=prefill_tp,
         decode_tp=decode_tp, served_model_name=served_model_name,
-        vllm_args=tuple(vllm_arg or ()), api_key=api_key, admin_api_key=admin_api_key,
+        vllm_args=tuple(vllm_arg or ()), api_key=api_key, insecure=insecure,
+        admin_api_key=admin_api_key,
         worker_api_key=worker_api_key, skip_self_check=skip_self_check, log_level=log_level,
         seed=seed,
     )

@@ -282,7 +282,7 @@ def test_serve_refuses_engine_args_eldr_owns(
     assert "Traceback" not in result.stderr
 
 
-def test_serve_on_an_open_address_without_a_key_warns(
+def test_serve_on_an_open_address_without_a_key_is_refused_unless_insecure(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import stages.serve.cluster.launcher as launcher
@@ -305,11 +305,16 @@ def test_serve_on_an_open_address_without_a_key_warns(
     monkeypatch.delenv("ELDR_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     port = str(free_port())
-    exposed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0", "--port", port])
-    assert "has no API key" in exposed.output
-    keyed = runner.invoke(app, ["serve", "--policy", "rr", "--host", "0.0.0.0", "--port", port],
-                          env={"ELDR_API_KEY": "secret-key"})
-    assert "has no API key" not in keyed.output
+    argv = ["serve", "--policy", "rr", "--host", "0.0.0.0", "--port", port]
+    exposed = runner.invoke(app, argv)
+    assert isinstance(exposed.exception, EldrError)  # a user error, before anything started
+    assert "has no API key" in str(exposed.exception) and "--insecure" in str(exposed.exception)
+    insecure = runner.invoke(app, [*argv, "--insecure"])
+    assert "no API key (--insecure)" in insecure.output
+    assert "stopped before starting vLLM" in str(insecure.exception)  # it went on to start
+    keyed = runner.invoke(app, argv, env={"ELDR_API_KEY": "secret-key"})
+    assert "API key" not in keyed.output
+    assert "stopped before starting vLLM" in str(keyed.exception)
 
 
 @pytest.mark.parametrize(
@@ -334,6 +339,7 @@ def test_serve_on_an_open_address_without_a_key_warns(
         (["--policy", "rr", "--port", "{worker}"], "is also a port of a started worker"),
         (["--policy", "rr", "--attach-prefill", "http://127.0.0.1:1", "--attach-decode",
           "http://127.0.0.1:2", "--nixl-port", "7000"], "--nixl-port configures workers"),
+        (["--policy", "rr", "--host", "0.0.0.0"], "or pass --insecure"),
     ],
 )
 def test_serve_checks_every_option_before_any_worker_starts(

@@ -518,3 +518,38 @@ def test_real_artifact_store_end_to_end(tmp_path: Path) -> None:
             r = client.post("/admin/artifact", json={"version": version})
             assert r.status_code == 200
             assert client.post("/admin/artifact", json={"version": "0" * 12}).status_code == 400
+
+
+def test_admin_reads_a_cost_only_inline_or_under_the_eldr_home(
+    env: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stages.routing.cost_model import cpu_like
+
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setenv("ELDR_HOME", str(home))
+    before = env.state.router.policy_config  # unchanged by every refusal below
+    model = cpu_like(4)
+    model.save(elsewhere / "cost.json")
+    (home / "link.json").symlink_to(elsewhere / "cost.json")
+
+    def switch(cost: object) -> httpx.Response:
+        return env.client.post("/admin/policy",
+                               json={"policy": "eldr-union", "config": {"cost": cost}})
+
+    for outside in (str(elsewhere / "cost.json"), "../elsewhere/cost.json", "link.json",
+                    "/etc/passwd", 7):
+        refused = switch(outside)
+        assert refused.status_code == 400, outside
+        assert refused.json()["error"]["param"] == "config.cost"
+    assert env.state.router.policy_config == before
+    inline = switch(model.to_json())
+    assert inline.status_code == 200, inline.text
+    saved = Path(inline.json()["config"]["cost"])
+    assert saved.parent == home.resolve() / "admin-costs" and saved.is_file()
+    model.save(home / "mine.json")
+    assert switch("mine.json").json()["config"]["cost"] == str(home.resolve() / "mine.json")
+    assert switch("cpu").status_code == 200
+    bad_inline = switch({"num_layers": 4, "nonsense": 1})
+    assert bad_inline.status_code == 400 and "nonsense" in bad_inline.text

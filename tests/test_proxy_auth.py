@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
-from stages.serve.proxy.auth import ApiKeyMiddleware, warn_if_exposed
+from stages.serve.proxy.auth import ADMIN_LOCKED, ApiKeyMiddleware, check_exposure
 from stages.serve.proxy.config import ProxyConfig
 from tests.fakes.artifact import domain_artifact
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
@@ -148,14 +148,15 @@ def test_workers_get_the_worker_key_never_the_clients(env: Proxy) -> None:
 # --- which key opens which route: the middleware alone ----------------------------------
 
 
-def key_app(api_key: str | None, admin_api_key: str | None) -> TestClient:
+def key_app(api_key: str | None, admin_api_key: str | None, locked: bool = False) -> TestClient:
     async def ok(request: Request) -> PlainTextResponse:
         return PlainTextResponse("ok")
 
     routes = [Route(p, ok) for p in ("/v1/x", "/admin/x", "/health")]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key)],
+        middleware=[Middleware(ApiKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key,
+                               admin_locked=locked)],
     )
     return TestClient(app)
 
@@ -189,10 +190,38 @@ def test_which_key_opens_which_route(
         assert statuses(client, sent) == expected
 
 
-def test_no_key_configured_adds_no_check() -> None:
+@pytest.mark.parametrize(
+    ("api_key", "admin_key", "sent", "expected"),
+    [
+        # beyond loopback with no key at all (--insecure): /v1 open, /admin locked
+        (None, None, None, (200, 403, 200)),
+        # the api key still opens /admin where no admin key is set
+        ("api", None, "api", (200, 200, 200)),
+        ("api", None, None, (401, 401, 200)),
+        (None, "adm", "adm", (200, 200, 200)),
+        (None, "adm", None, (200, 401, 200)),
+    ],
+)
+def test_admin_beyond_loopback_needs_a_key(
+    api_key: str | None, admin_key: str | None, sent: str | None, expected: tuple
+) -> None:
+    with key_app(api_key, admin_key, locked=True) as client:
+        assert statuses(client, sent) == expected
+        if expected[1] == 403:
+            assert client.get("/admin/x").json() == {"error": ADMIN_LOCKED}
+
+
+def test_no_key_configured_adds_no_check_on_loopback_only() -> None:
     config = ProxyConfig(prefill_urls=("http://p",), decode_urls=("http://d",), policy="rr")
     app = create_app(config)
     assert not any(m.cls is ApiKeyMiddleware for m in app.user_middleware)
+    open_config = ProxyConfig(prefill_urls=("http://p",), decode_urls=("http://d",),
+                              policy="rr", host="0.0.0.0")
+    with TestClient(create_app(open_config)) as client:
+        locked = client.post("/admin/policy", json={"policy": "jsq"})
+        assert locked.status_code == 403 and "admin API is locked" in locked.json()["error"]
+        assert client.get("/admin/state").status_code == 403
+        assert client.get("/health").status_code != 403
 
 
 # --- configuration -----------------------------------------------------------------------
@@ -215,7 +244,7 @@ def test_keys_stay_out_of_the_config_repr() -> None:
 
 
 @pytest.mark.parametrize(
-    ("host", "key", "warns"),
+    ("host", "key", "exposed"),
     [
         ("127.0.0.1", None, False),
         ("127.8.9.10", None, False),
@@ -234,8 +263,16 @@ def test_keys_stay_out_of_the_config_repr() -> None:
         ("192.168.1.20", "k", False),
     ],
 )
-def test_warn_if_exposed(host: str, key: str | None, warns: bool) -> None:
-    text = warn_if_exposed(host, key)
-    assert (text is not None) == warns
+def test_an_exposed_proxy_without_a_key_is_refused_unless_insecure(
+    host: str, key: str | None, exposed: bool
+) -> None:
+    if exposed:
+        with pytest.raises(EldrError) as info:
+            check_exposure(host, key, insecure=False)
+        assert "--api-key" in str(info.value) and "--insecure" in str(info.value)
+    else:
+        assert check_exposure(host, key, insecure=False) is None
+    text = check_exposure(host, key, insecure=True)
+    assert (text is not None) == exposed
     if text is not None:
-        assert "API key" in text and repr(host) in text
+        assert "--insecure" in text and repr(host) in text

@@ -52,6 +52,7 @@ class ServeOptions:
     served_model_name: str | None = None
     vllm_args: tuple[str, ...] = ()  # --vllm-arg, as typed
     api_key: str | None = None
+    insecure: bool = False  # serve /v1 beyond loopback without an API key
     admin_api_key: str | None = None
     worker_api_key: str | None = None
     skip_self_check: bool = False
@@ -109,11 +110,12 @@ def plan(options: ServeOptions) -> ServePlan:
     from stages.models import check_handoff_compatible, resolve_model
     from stages.serve.cluster.engine_args import check_recordable, engine_args
     from stages.serve.cluster.ports import check_free
-    from stages.serve.proxy.auth import warn_if_exposed
+    from stages.serve.proxy.auth import check_exposure
     from stages.vllm_compat import check_vllm
 
     o = options
     o.check()
+    warning = check_exposure(o.host, o.api_key, o.insecure)
     extra_args = engine_args(o.vllm_args)
     for role, tp in (("prefill", o.prefill_tp), ("decode", o.decode_tp)):
         check_recordable(extra_args, tp, on_cpu(), role)
@@ -147,9 +149,10 @@ def plan(options: ServeOptions) -> ServePlan:
         # Checked in ``run`` before the proxy opens; the proxy checks each worker that rejoins.
         self_check=None if o.skip_self_check else model.identity,
         checked_at_start=not o.skip_self_check, skip_self_check=o.skip_self_check,
+        host=o.host,
     )
     check_free("--port", [o.port], o.host)
-    return ServePlan(o, model, prefill_model, cluster, config, warn_if_exposed(o.host, o.api_key))
+    return ServePlan(o, model, prefill_model, cluster, config, warning)
 
 
 def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel | None,

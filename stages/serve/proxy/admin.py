@@ -2,7 +2,8 @@
 
 ``POST /admin/policy`` takes ``{"policy": name, "config": {option: value}}``, ``config``
 optional: the options update that policy's (``eldr serve --policy-config``) and stay for later
-switches back to it. ``GET /admin/state`` shows the active policy's options in full.
+switches back to it; a ``cost`` is a preset, a cost model object or a file under the eldr home
+(``admin_cost``). ``GET /admin/state`` shows the active policy's options in full.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from stages import paths
 from stages.errors import EldrError
 from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
+from stages.serve.proxy.admin_cost import client_cost
 from stages.serve.proxy.config import check_unchecked_policy
 from stages.serve.proxy.request_body import bad_request, read_json_body
 from stages.serve.proxy.responses import ProxyError, json_error, json_response
@@ -104,6 +107,11 @@ async def set_policy(request: Request) -> Response:
         if config is not None and not isinstance(config, dict):
             raise bad_request(f'"config" must be an object of {name} options, got {config!r}',
                               "config")
+        if config is not None:  # any policy whose options name a cost model
+            try:
+                config = client_cost(config, paths.eldr_home())
+            except EldrError as exc:
+                raise ProxyError(400, str(exc), "bad_request", param="config.cost") from exc
         seed = body.get("seed")
         if seed is not None and (type(seed) is not int or seed < 0):
             raise bad_request(f'"seed" must be an integer >= 0, got {seed!r}', "seed")

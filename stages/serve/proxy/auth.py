@@ -3,7 +3,9 @@
 vLLM (``vllm/entrypoints/serve/middleware/authenticate.py``) guards every path under ``/v1``
 with ``Authorization: Bearer <key>``, skips ``OPTIONS`` (CORS preflights) and everything else
 (``/health``, ``/metrics``, ``/version``), and refuses with ``401 {"error": "Unauthorized"}``.
-The proxy does the same and guards ``/admin`` too, which can re-route all traffic.
+The proxy does the same and guards ``/admin`` too, which can re-route all traffic: with no
+admin key, ``/admin`` is open only to a proxy that listens on loopback, and answers 403 on any
+other address.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from stages.errors import EldrError
 from stages.serve.proxy.config import ProxyConfig
 
 # Prefix matches, as vLLM's: "/v1x" is guarded too, so a guess at a route learns nothing.
@@ -38,14 +41,22 @@ def bearer_matches(headers: Headers, expected: bytes) -> bool:
     return secrets.compare_digest(_digest(token), expected)
 
 
+ADMIN_LOCKED = (
+    "the admin API is locked: this proxy listens beyond loopback and has no admin key; start"
+    " eldr serve with --admin-api-key (or --api-key) to use it"
+)
+
+
 class ApiKeyMiddleware:
     """Refuses guarded paths without the right bearer key before any routing or body read."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None,
+                 admin_locked: bool = False) -> None:
         self.app = app
         self._api = _digest(api_key) if api_key is not None else None
         admin = admin_api_key if admin_api_key is not None else api_key
         self._admin = _digest(admin) if admin is not None else None
+        self._admin_locked = admin_locked and admin is None
 
     def _expected(self, path: str) -> bytes | None:
         if path.startswith(_ADMIN_PREFIX):
@@ -59,6 +70,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if self._admin_locked and path.startswith(_ADMIN_PREFIX):
+            await JSONResponse({"error": ADMIN_LOCKED}, status_code=403)(scope, receive, send)
+            return
         expected = self._expected(path)
         if expected is None or bearer_matches(Headers(scope=scope), expected):
             await self.app(scope, receive, send)
@@ -67,12 +81,15 @@ class ApiKeyMiddleware:
 
 
 def auth_middleware(config: ProxyConfig) -> list[Middleware]:
-    """The middleware for ``config``'s keys; none (no per-request cost) when no key is set."""
-    if config.api_key is None and config.admin_api_key is None:
+    """The middleware for ``config``'s keys and address; none (no per-request cost) when no
+    key is set and the proxy listens on loopback only."""
+    locked = not is_loopback(config.host)
+    if config.api_key is None and config.admin_api_key is None and not locked:
         return []
     return [
         Middleware(
-            ApiKeyMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key
+            ApiKeyMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key,
+            admin_locked=locked,
         )
     ]
 
@@ -90,12 +107,19 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def warn_if_exposed(host: str, api_key: str | None) -> str | None:
-    """A warning for the CLI when the proxy would serve other machines without a key."""
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> str | None:
+    """Refuse (``EldrError``) a proxy that would serve other machines with no API key unless
+    ``insecure``; then return the warning to print, or None."""
     if api_key or is_loopback(host):
         return None
+    if not insecure:
+        raise EldrError(
+            f"--host {host} lets other machines reach the proxy, and it has no API key. Set one"
+            " (--api-key or ELDR_API_KEY; clients send it as vLLM's), or pass --insecure to"
+            " serve /v1 without a key on a private network (/admin stays locked without"
+            " --admin-api-key)"
+        )
     return (
-        f"the proxy listens on {host!r}, which other machines may reach, and has no API key:"
-        " anyone who reaches it can send requests and change its routing (/admin). Set an API"
-        " key, or bind to 127.0.0.1."
+        f"the proxy listens on {host!r} with no API key (--insecure): anyone who reaches it can"
+        " send requests; /admin is locked without an admin key"
     )

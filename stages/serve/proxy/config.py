@@ -57,6 +57,8 @@ class ProxyConfig:
     self_check_timeout_s: float = 120.0  # as the start-up check's (self_check.CHECK_TIMEOUT_S)
     # eldr serve's start-up check passed for every worker: they start verified.
     checked_at_start: bool = False
+    # The address the proxy listens on: with no admin key, /admin is open on loopback only.
+    host: str = "127.0.0.1"
     # --skip-self-check: the workers may be plain vLLM, so no policy may read signatures.
     skip_self_check: bool = False
     # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and /admin/*, and
