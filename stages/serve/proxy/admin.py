@@ -25,6 +25,7 @@ from stages.serve.proxy.config import check_unchecked_policy
 from stages.serve.proxy.request_body import bad_request, read_json_body
 from stages.serve.proxy.responses import ProxyError, json_error, json_response
 from stages.serve.proxy.state import ProxyState
+from stages.serve.proxy.workers import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,11 @@ def _worker_checks(state: ProxyState, role: str, index: int) -> dict[str, Any] |
         return None
     record = state.checks.record(role, index)
     return {"verified": record.verified, "passed": record.passed, "failed": record.failed}
+
+
+def _ejection(w: WorkerView) -> dict[str, Any]:
+    return {"consecutive_failures": w.consecutive_failures, "ejections": w.ejections,
+            "ejected_for_s": round(w.ejected_for_s, 1), "probation": w.probation}
 
 
 def snapshot(state: ProxyState) -> dict[str, Any]:
@@ -70,6 +76,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "last_error": w.last_error,
                 "restarts": state.restarts(w.url),
                 "self_check": _worker_checks(state, "decode", w.index),
+                **_ejection(w),
             }
             for w in state.decode.views()
         ],
@@ -82,6 +89,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "last_error": w.last_error,
                 "restarts": state.restarts(w.url),
                 "self_check": _worker_checks(state, "prefill", w.index),
+                **_ejection(w),
             }
             for w in state.prefill.views()
         ],

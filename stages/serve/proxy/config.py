@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from stages.errors import EldrError
 from stages.routing.policies import POLICIES, reads_signatures
 from stages.routing.policy_config import PolicyConfig
+from stages.serve.proxy.workers import Ejection
 
 if TYPE_CHECKING:
     from stages.signature.dataset import ModelIdentity
@@ -38,6 +39,8 @@ class ProxyConfig:
     health_timeout_s: float = 2.0
     # Workers tried per leg (prefill, decode) before the request fails.
     max_attempts: int = 3
+    # When a worker that keeps failing requests leaves rotation for a while (workers.py).
+    ejection: Ejection = field(default_factory=Ejection)
     max_body_bytes: int = 8 * 1024 * 1024
     # Sequences (prompts x n) one request may ask for: each is a prefill and a decode of its
     # own, so a larger fan-out is refused rather than multiplied onto the workers.

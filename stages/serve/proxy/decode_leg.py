@@ -88,12 +88,13 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
         lease = pool.acquire(worker, on_complete)
         outcome = await _attempt(ctx, lease, payload)
         if not isinstance(outcome, Failure):
+            pool.record_success(worker)
             return outcome
         log.warning(
             "request %s: decode worker %s failed before streaming (%.1f s in): %s",
             ctx.request_id, lease.url, ctx.elapsed(), outcome.reason,
         )
-        pool.mark_unhealthy(worker, outcome.reason)
+        pool.record_failure(worker, outcome.reason)
         tried.append(worker)
         failures.append(f"{lease.url}: {outcome.reason}")
         if outcome.delivered and attempt + 1 < attempts and pool.eligible(exclude=tried).any():
@@ -183,7 +184,7 @@ def _on_broken(state: ProxyState, lease: Lease) -> Callable[[BaseException | str
         state.metrics.request_errors.labels("decode_stream_broken").inc()
         log.warning("decode stream from %s broke mid-way: %r", lease.url, cause)
         if isinstance(cause, UPSTREAM_ERRORS):
-            state.decode.mark_unhealthy(lease.index, f"stream broke: {cause!r}")
+            state.decode.record_failure(lease.index, f"stream broke: {cause!r}")
 
     return report
 

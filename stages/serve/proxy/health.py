@@ -64,6 +64,8 @@ class Prober:
         self._slow.pop(key, None)
         if status != 200:
             self._down(pool, index, f"health probe: /health answered {status}")
+        elif pool.ejected(index):
+            pass  # it waits out its ejection, however well it answers
         elif self.checks is None:
             pool.mark_healthy(index)
         elif not self.checks.trusted(pool, index):

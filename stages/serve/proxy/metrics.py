@@ -79,6 +79,24 @@ class _SelfCheckCounts(Collector):
         yield failures
 
 
+class _Ejections(Collector):
+    """``eldr_worker_ejections_total``: read from the pools at scrape time."""
+
+    def __init__(self, pools: tuple[WorkerPool, ...]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "eldr_worker_ejections", "Times a worker left rotation for failing requests in a"
+            " row while answering its health probes (outlier ejection).",
+            labels=["role", "worker"],
+        )
+        for pool in self._pools:
+            for i in range(len(pool)):
+                family.add_metric([pool.role, pool.name(i)], pool.ejections(i))
+        yield family
+
+
 # Routing decisions take microseconds; the default buckets start at 5 ms.
 DECISION_BUCKETS = (
     5e-6,
@@ -107,6 +125,7 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         r.register(_Restarts((prefill, decode), restarts))
+        r.register(_Ejections((prefill, decode)))
         if checks is not None:
             r.register(_SelfCheckCounts((prefill, decode), checks))
         self.decisions = Counter(
@@ -159,6 +178,12 @@ class ProxyMetrics:
             ["role", "worker"],
             registry=r,
         )
+        ejected = Gauge(
+            "eldr_router_worker_ejected",
+            "1 while the worker waits out an outlier ejection.",
+            ["role", "worker"],
+            registry=r,
+        )
         # Labels carry short worker names (decode-0); the URL behind each is an info metric.
         workers = Info("eldr_router_worker", "The URL behind each worker name.", ["worker"],
                        registry=r)
@@ -170,6 +195,9 @@ class ProxyMetrics:
                 gauge.labels(name).set_function(lambda p=pool, i=i: p.in_flight(i))
                 healthy.labels(pool.role, name).set_function(
                     lambda p=pool, i=i: float(p.healthy(i))
+                )
+                ejected.labels(pool.role, name).set_function(
+                    lambda p=pool, i=i: float(p.ejected(i))
                 )
 
     def render(self) -> bytes:

@@ -38,10 +38,11 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
                 content = await resp.read()
                 content_type = resp.headers.get("Content-Type")
         except NOT_DELIVERED as exc:
-            pool.mark_unhealthy(worker, f"connect failed: {exc!r}")
+            pool.record_failure(worker, f"connect failed: {exc!r}")
             tried.append(worker)
             continue
         except UPSTREAM_ERRORS as exc:
+            pool.record_failure(worker, f"request failed: {exc!r}")
             raise ProxyError(
                 502, f"prefill worker {url} failed: {exc!r}", "prefill_failed"
             ) from exc
@@ -49,6 +50,7 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
             lease.release()
         if status >= 500:
             text = content[:500].decode(errors="replace")
+            pool.record_failure(worker, f"answered {status}: {text[:200]}")
             raise ProxyError(
                 502, f"prefill worker {url} answered {status}: {text}", "prefill_failed"
             )
@@ -60,6 +62,7 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
             raise ProxyError(
                 502, f"prefill worker {url} answered invalid JSON: {exc}", "prefill_failed"
             ) from exc
+        pool.record_success(worker)
         kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
         return kv if isinstance(kv, dict) else None
     if not tried:

@@ -91,8 +91,8 @@ def build_state(
             seed=config.seed,
             fit_fn=refit_fn,
         )
-    decode = WorkerPool(config.decode_urls, "decode")
-    prefill = WorkerPool(config.prefill_urls, "prefill")
+    decode = WorkerPool(config.decode_urls, "decode", config.ejection)
+    prefill = WorkerPool(config.prefill_urls, "prefill", config.ejection)
     checks = None
     if config.self_check is not None:
         checks = SelfChecks(

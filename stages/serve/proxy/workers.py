@@ -1,19 +1,42 @@
-"""A pool of backend workers: in-flight counters and health, owned by one proxy.
+"""A pool of backend workers: in-flight counters, health and outlier ejection, owned by one
+proxy.
 
 Counters change only through a ``Lease`` whose ``release`` is idempotent, so every exit path
 (success, upstream error, client disconnect, cancellation) can call it in ``finally`` without
 double-decrementing.
+
+Outlier ejection, as Envoy does it: a failed request takes its worker out of rotation until the
+health probes bring it back (often a second later). A worker that fails ``after_failures``
+requests in a row while answering ``/health`` is ejected instead: it stays out for
+``base_s``, doubling with each ejection that follows within ``max_s`` of the last, up to
+``max_s``. It then rejoins on probation (after the self-check), where one more failure ejects it
+again at once; its first success ends the probation.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from stages.errors import EldrError
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ejection:
+    after_failures: int = 5  # request failures in a row (5xx, KV-load errors, resets)
+    base_s: float = 10.0
+    max_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.after_failures < 1 or not 0 < self.base_s <= self.max_s:
+            raise EldrError(f"outlier ejection needs after_failures >= 1 and 0 < base_s <="
+                            f" max_s, got {self}")
 
 
 @dataclass(frozen=True)
@@ -23,15 +46,28 @@ class WorkerView:
     in_flight: int
     healthy: bool
     last_error: str | None
+    consecutive_failures: int
+    ejections: int
+    ejected_for_s: float  # 0 when not ejected
+    probation: bool
 
 
 class WorkerPool:
-    def __init__(self, urls: Iterable[str], role: str) -> None:
+    def __init__(self, urls: Iterable[str], role: str, ejection: Ejection | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.urls: tuple[str, ...] = tuple(urls)
         self.role = role
-        self._inflight = np.zeros(len(self.urls), dtype=np.int64)
-        self._healthy = np.ones(len(self.urls), dtype=bool)
-        self._last_error: list[str | None] = [None] * len(self.urls)
+        self.ejection = ejection or Ejection()
+        self._clock = clock
+        n = len(self.urls)
+        self._inflight = np.zeros(n, dtype=np.int64)
+        self._healthy = np.ones(n, dtype=bool)
+        self._last_error: list[str | None] = [None] * n
+        self._failures = [0] * n  # request failures in a row
+        self._ejections = [0] * n  # ever (the metric)
+        self._streak = [0] * n  # ejections in a row, each within max_s of the last's end
+        self._ejected_until = [-float("inf")] * n
+        self._probation = [False] * n
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -69,16 +105,58 @@ class WorkerPool:
         self._last_error[index] = reason
 
     def mark_healthy(self, index: int) -> None:
+        """Back in rotation, unless it is ejected: then it waits out its time."""
+        if self.ejected(index):
+            return
         if not self._healthy[index]:
-            log.info("%s worker %s healthy again", self.role, self.urls[index])
+            log.info("%s worker %s healthy again%s", self.role, self.urls[index],
+                     " (on probation)" if self._probation[index] else "")
         self._healthy[index] = True
+
+    def record_failure(self, index: int, reason: str) -> None:
+        """A request failed on this worker (nothing of it reached the client, or its stream
+        broke): out of rotation now, and ejected after too many in a row."""
+        self.mark_unhealthy(index, reason)
+        if self.ejected(index):
+            return  # requests that were running on it when it was ejected
+        self._failures[index] += 1
+        if self._probation[index] or self._failures[index] >= self.ejection.after_failures:
+            self._eject(index, reason)
+
+    def record_success(self, index: int) -> None:
+        self._failures[index] = 0
+        if self._probation[index]:
+            log.info("%s worker %s passed its probation", self.role, self.urls[index])
+        self._probation[index] = False
+
+    def ejected(self, index: int) -> bool:
+        return self._clock() < self._ejected_until[index]
+
+    def ejections(self, index: int) -> int:
+        return self._ejections[index]
+
+    def _eject(self, index: int, reason: str) -> None:
+        rule, now = self.ejection, self._clock()
+        if now - self._ejected_until[index] > rule.max_s:
+            self._streak[index] = 0  # long enough in rotation since the last ejection
+        duration = min(rule.base_s * 2 ** self._streak[index], rule.max_s)
+        self._streak[index] += 1
+        self._ejections[index] += 1
+        self._ejected_until[index] = now + duration
+        self._probation[index] = True
+        failures, self._failures[index] = self._failures[index], 0
+        log.warning("%s worker %s ejected for %.0f s after %d failed request(s) in a row: %s",
+                    self.role, self.urls[index], duration, failures, reason)
 
     def unhealthy_indices(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(~self._healthy)]
 
     def views(self) -> list[WorkerView]:
+        now = self._clock()
         return [
-            WorkerView(i, url, int(self._inflight[i]), bool(self._healthy[i]), self._last_error[i])
+            WorkerView(i, url, int(self._inflight[i]), bool(self._healthy[i]),
+                       self._last_error[i], self._failures[i], self._ejections[i],
+                       max(0.0, self._ejected_until[i] - now), self._probation[i])
             for i, url in enumerate(self.urls)
         ]
 

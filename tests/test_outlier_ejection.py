@@ -1,0 +1,118 @@
+"""Outlier ejection: a worker that answers its health probes but keeps failing requests leaves
+rotation for a time that doubles on each repeat, and comes back on probation."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from stages.errors import EldrError
+from stages.serve.proxy import create_app
+from stages.serve.proxy.workers import Ejection, WorkerPool
+from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+from tests.test_proxy import fast_config
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pool(clock: Clock) -> WorkerPool:
+    return WorkerPool(["http://a", "http://b"], "decode",
+                      Ejection(after_failures=3, base_s=10, max_s=60), clock)
+
+
+def test_failures_in_a_row_eject_and_the_time_doubles_on_each_repeat() -> None:
+    clock = Clock()
+    workers = pool(clock)
+    for _ in range(2):
+        workers.record_failure(0, "500")
+        workers.mark_healthy(0)  # a probe brings it back after each single failure
+    assert workers.healthy(0) and not workers.ejected(0)
+    workers.record_failure(0, "500")  # the third in a row
+    assert workers.ejected(0) and not workers.healthy(0) and workers.ejections(0) == 1
+    workers.mark_healthy(0)
+    assert not workers.healthy(0)  # its probe answers, but it waits out the ejection
+    clock.now += 10.1
+    workers.mark_healthy(0)
+    [view, other] = workers.views()
+    assert view.healthy and view.probation and view.ejected_for_s == 0
+    assert other.ejections == 0 and not other.probation  # the other worker is untouched
+    workers.record_failure(0, "reset")  # one failure on probation ejects again, for longer
+    assert workers.ejected(0) and workers.views()[0].ejected_for_s == pytest.approx(20)
+    clock.now += 20.1
+    workers.mark_healthy(0)
+    workers.record_success(0)  # the probation is over
+    assert not workers.views()[0].probation
+    workers.record_failure(0, "500")
+    workers.mark_healthy(0)
+    assert workers.healthy(0)  # one failure off probation does not eject
+    workers.record_success(0)  # and a success resets the count
+    for _ in range(2):
+        workers.record_failure(0, "500")
+        workers.mark_healthy(0)
+    assert workers.healthy(0)
+    workers.record_failure(0, "500")
+    assert workers.views()[0].ejected_for_s == pytest.approx(40)  # within max_s: doubled
+    clock.now += 40.1 + 61  # then long in rotation: the next ejection starts from base_s
+    workers.mark_healthy(0)
+    workers.record_success(0)
+    for _ in range(3):
+        workers.record_failure(0, "500")
+        workers.mark_healthy(0)
+    assert workers.views()[0].ejected_for_s == pytest.approx(10)
+    assert workers.ejections(0) == 4
+
+
+def test_requests_running_when_it_was_ejected_do_not_extend_it() -> None:
+    clock = Clock()
+    workers = pool(clock)
+    for _ in range(3):
+        workers.record_failure(0, "500")
+    for _ in range(5):
+        workers.record_failure(0, "late 500")
+    assert workers.ejections(0) == 1 and workers.views()[0].ejected_for_s == pytest.approx(10)
+
+
+def test_the_rule_is_checked() -> None:
+    for bad in (dict(after_failures=0), dict(base_s=0), dict(base_s=10, max_s=5)):
+        with pytest.raises(EldrError):
+            Ejection(**bad)  # type: ignore[arg-type]
+
+
+def test_a_worker_that_fails_every_request_is_ejected_while_the_others_serve() -> None:
+    prefill = FakeBehavior("p0")
+    good, bad = FakeBehavior("d0"), FakeBehavior("d1", fail_status=500)
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start()
+               for b in (prefill, good, bad)]
+    config = fast_config([workers[0].url], [w.url for w in workers[1:]], policy="rr",
+                         ejection=Ejection(after_failures=3, base_s=30, max_s=60),
+                         max_attempts=2)
+    try:
+        with BackgroundServer(create_app(config)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=10) as client:
+            for i in range(12):
+                r = client.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 3})
+                assert r.status_code == 200, r.text  # failover: every request succeeds
+                time.sleep(0.1)  # the probes (every 50 ms) bring a failed worker back
+            state = client.get("/admin/state").json()
+            [ok, out] = state["decode_workers"]
+            assert out["ejections"] == 1 and out["ejected_for_s"] > 20 and out["probation"]
+            assert not out["healthy"] and ok["healthy"] and ok["ejections"] == 0
+            tried_bad = len(bad.received)
+            for i in range(4):
+                assert client.post("/v1/completions",
+                                   json={"prompt": f"q{i}", "max_tokens": 3}).status_code == 200
+            assert len(bad.received) == tried_bad  # nothing more reaches it while ejected
+            metrics = client.get("/metrics").text
+            assert 'eldr_worker_ejections_total{role="decode",worker="decode-1"} 1.0' in metrics
+            assert 'eldr_router_worker_ejected{role="decode",worker="decode-1"} 1.0' in metrics
+    finally:
+        for w in workers:
+            w.stop()
