@@ -337,11 +337,47 @@ def test_prefill_failures(env: Cluster) -> None:
         b.fail_status = 500
     r = completion(env, "domain=0")
     assert r.status_code == 502 and r.json()["error"]["type"] == "prefill_failed"
+    assert "p0 told to fail" in r.text and "p1 told to fail" in r.text  # both were tried
     assert not any(b.received for b in env.decode)
+    # Each left rotation; their answering probes bring them back.
+    wait_until(lambda: all(w.healthy for w in env.state.prefill.views()))
     for b in env.prefill:
         b.fail_status = 400  # vLLM rejecting the request itself: the client sees that
     r = completion(env, "domain=0")
     assert r.status_code == 400 and "told to fail" in r.text
+    assert all(w.healthy for w in env.state.prefill.views())  # a client error is not theirs
+
+
+def test_a_prefill_worker_that_fails_or_hangs_fails_over(env: Cluster) -> None:
+    c = env.state.config
+    config = fast_config(c.prefill_urls, c.decode_urls, policy="rr", prefill_timeout_s=0.5)
+    for broken in ({"fail_status": 503}, {"delay_s": 3.0}):  # an error, then a hung worker
+        for b in env.prefill:
+            b.reset()
+        for key, value in broken.items():
+            setattr(env.prefill[0], key, value)
+        with BackgroundServer(create_app(config)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=10) as client:
+            for i in range(4):  # prefix hashing sends some of them to the broken one first
+                r = client.post("/v1/completions", json={"prompt": f"x{i}", "max_tokens": 2})
+                assert r.status_code == 200, (broken, r.text)
+            assert env.prefill[1].received
+
+
+def test_a_decode_worker_that_hangs_before_its_first_token_fails_over(env: Cluster) -> None:
+    env.decode[1].delay_s = 3.0  # takes the request, says nothing
+    c = env.state.config
+    config = fast_config(c.prefill_urls, c.decode_urls, policy="rr", first_token_timeout_s=0.5)
+    with BackgroundServer(create_app(config)) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=10) as client:
+        started = time.monotonic()
+        for i in range(3):
+            r = client.post("/v1/completions",
+                            json={"prompt": f"y{i}", "max_tokens": 2, "stream": True})
+            assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+        assert time.monotonic() - started < 3.0  # not one waited for the hung worker
+        worker = client.get("/admin/state").json()["decode_workers"][1]
+        assert "no first token within 0.5 s" in worker["last_error"]
 
 
 def test_missing_signature_falls_back_and_is_counted(env: Cluster) -> None:

@@ -35,6 +35,10 @@ class ProxyConfig:
     prefill_timeout_s: float = 120.0
     # Longest silence allowed between two decode chunks (or a whole non-streamed decode).
     decode_timeout_s: float = 600.0
+    # A decode stream's first event (the KV pulled, one token decoded): a worker that took the
+    # request and hangs fails over after this. Generous: the KV of a long prompt on a busy
+    # worker takes a while.
+    first_token_timeout_s: float = 120.0
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     # Workers tried per leg (prefill, decode) before the request fails.
@@ -96,6 +100,7 @@ class ProxyConfig:
             "connect_timeout_s",
             "prefill_timeout_s",
             "decode_timeout_s",
+            "first_token_timeout_s",
             "health_interval_s",
             "health_timeout_s",
             "refit_window_s",

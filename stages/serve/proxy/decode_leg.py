@@ -16,6 +16,7 @@ hand-off, which the next worker then consumes.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from time import perf_counter
@@ -116,26 +117,33 @@ async def _attempt(ctx: RequestContext, lease: Lease, payload: bytes) -> Answer 
     upstream: aiohttp.ClientResponse | None = None
     events: AsyncIterator[bytes] | None = None
     handed_off = False
+    # A stream's first event must come in time (a worker that took the connection and hangs
+    # fails over); a whole answer comes only when the decode is done, under decode_timeout_s.
+    limit = state.config.first_token_timeout_s if ctx.stream else math.inf
+    scope = anyio.CancelScope(deadline=anyio.current_time() + limit)
     try:
         try:
-            upstream = await state.session.post(
-                lease.url + ctx.path, data=payload, headers=ctx.headers,
-                timeout=state.decode_timeout,
-            )
-            if upstream.status >= 500:
-                text = (await upstream.read())[:500].decode(errors="replace")
-                return Failure(f"answered {upstream.status}: {text}", delivered=True)
-            if upstream.status >= 400:
-                raise UpstreamClientError(
-                    upstream.status,
-                    await upstream.read(),
-                    upstream.headers.get("Content-Type"),
+            with scope:
+                upstream = await state.session.post(
+                    lease.url + ctx.path, data=payload, headers=ctx.headers,
+                    timeout=state.decode_timeout,
                 )
-            content_type = upstream.headers.get("Content-Type", "application/json")
-            if not ctx.stream:
-                return Whole(await upstream.read(), upstream.status, content_type)
-            events = whole_events(upstream.content.iter_any())
-            first = await anext(events)
+                if upstream.status >= 500:
+                    text = (await upstream.read())[:500].decode(errors="replace")
+                    return Failure(f"answered {upstream.status}: {text}", delivered=True)
+                if upstream.status >= 400:
+                    raise UpstreamClientError(
+                        upstream.status,
+                        await upstream.read(),
+                        upstream.headers.get("Content-Type"),
+                    )
+                content_type = upstream.headers.get("Content-Type", "application/json")
+                if not ctx.stream:
+                    return Whole(await upstream.read(), upstream.status, content_type)
+                events = whole_events(upstream.content.iter_any())
+                first = await anext(events)
+            if scope.cancelled_caught:  # the deadline passed inside, and the scope ate it
+                return Failure(f"no first token within {limit:g} s", delivered=True)
         except StopAsyncIteration:
             return Failure("stream ended before its first event", delivered=True)
         except NOT_DELIVERED as exc:

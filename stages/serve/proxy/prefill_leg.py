@@ -14,12 +14,15 @@ from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
     """The prefill response's ``kv_transfer_params`` (None if it sent none).
 
-    A worker that refuses connections cannot have started the request, so the next one is
-    tried; any other failure is a 502 because the prompt may already hold KV blocks there.
+    A worker that refuses the connection, times out, breaks the connection or answers 5xx
+    leaves rotation (``WorkerPool.record_failure``) and the next one is tried: nothing reached
+    the client yet. A hung worker may still hold the prompt's KV blocks until vLLM's hand-off
+    timeout frees them; a client error (4xx) is the client's, answered as it is.
     """
     state, legs = ctx.state, ctx.legs
     pool, metrics = state.prefill, state.metrics
     tried: list[int] = []
+    failures: list[str] = []
     for attempt in range(state.config.max_attempts):
         eligible = pool.eligible(exclude=tried)
         if not eligible.any():
@@ -29,6 +32,7 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
         worker = state.prefill_router.choose(legs.key, pool.loads(), eligible)
         url = pool.urls[worker]
         lease = pool.acquire(worker)
+        status, content, content_type, failure = 0, b"", None, None
         try:
             async with state.session.post(
                 url + ctx.path, data=legs.prefill, headers=ctx.headers,
@@ -38,22 +42,18 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
                 content = await resp.read()
                 content_type = resp.headers.get("Content-Type")
         except NOT_DELIVERED as exc:
-            pool.record_failure(worker, f"connect failed: {exc!r}")
-            tried.append(worker)
-            continue
-        except UPSTREAM_ERRORS as exc:
-            pool.record_failure(worker, f"request failed: {exc!r}")
-            raise ProxyError(
-                502, f"prefill worker {url} failed: {exc!r}", "prefill_failed"
-            ) from exc
+            failure = f"connect failed: {exc!r}"
+        except UPSTREAM_ERRORS as exc:  # a timeout (it took the prompt and hangs) or a reset
+            failure = f"request failed: {exc!r}"
         finally:
             lease.release()
-        if status >= 500:
-            text = content[:500].decode(errors="replace")
-            pool.record_failure(worker, f"answered {status}: {text[:200]}")
-            raise ProxyError(
-                502, f"prefill worker {url} answered {status}: {text}", "prefill_failed"
-            )
+        if failure is None and status >= 500:
+            failure = f"answered {status}: {content[:500].decode(errors='replace')}"
+        if failure is not None:  # nothing reached the client yet: the next worker is tried
+            failures.append(f"{url}: {failure}")
+            pool.record_failure(worker, failure)
+            tried.append(worker)
+            continue
         if status >= 400:
             raise UpstreamClientError(status, content, content_type)
         try:
@@ -67,4 +67,5 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
         return kv if isinstance(kv, dict) else None
     if not tried:
         raise ProxyError(503, "no healthy prefill worker", "no_prefill_worker")
-    raise ProxyError(502, f"no prefill worker reachable (tried {len(tried)})", "prefill_failed")
+    raise ProxyError(502, "prefill failed on every worker tried: " + "; ".join(failures),
+                     "prefill_failed")
