@@ -55,6 +55,11 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(help="Per-worker batch limit (vLLM"
                                               " --max-num-seqs).")] = 8,
     max_model_len: Annotated[int, typer.Option(help="vLLM --max-model-len.")] = 1024,
+    max_queued: Annotated[int, typer.Option(
+        help="Load shedding: requests in flight beyond the decode workers' batch slots"
+        " (--max-num-seqs x decode workers) past which a new one gets 503 with Retry-After."
+        " With --attach-* the slots are unknown and it bounds every request in flight: size it"
+        " to your cluster.", min=0)] = 256,
     enforce_eager: EagerOption = False,
     prefill_tp: Annotated[int, typer.Option(
         "--prefill-tp", min=1, help="vLLM --tensor-parallel-size of each started prefill"
@@ -104,8 +109,8 @@ def serve(
         port=port, worker_port=worker_port, nixl_port=nixl_port,
         attach_prefill=tuple(attach_prefill or ()), attach_decode=tuple(attach_decode or ()),
         online_refit=online_refit, worker_cores=worker_cores, max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len, enforce_eager=enforce_eager, prefill_tp=prefill_tp,
-        decode_tp=decode_tp, served_model_name=served_model_name,
+        max_model_len=max_model_len, max_queued=max_queued, enforce_eager=enforce_eager,
+        prefill_tp=prefill_tp, decode_tp=decode_tp, served_model_name=served_model_name,
         vllm_args=tuple(vllm_arg or ()), api_key=api_key, insecure=insecure,
         admin_api_key=admin_api_key,
         worker_api_key=worker_api_key, skip_self_check=skip_self_check, log_level=log_level,

@@ -46,6 +46,7 @@ class ServeOptions:
     worker_cores: str | None = None  # '|'-separated, prefill workers first
     max_num_seqs: int = 8
     max_model_len: int = 1024
+    max_queued: int | None = 256  # requests in flight beyond the decode slots; None: no bound
     enforce_eager: bool = False
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -144,7 +145,8 @@ def plan(options: ServeOptions) -> ServePlan:
         policy_config=o.policy_config, artifact_store=store if use_store else None,
         artifact_version=o.artifact, model=o.served_model_name or o.model,
         online_refit=o.online_refit, seed=o.seed,
-        decode_slots=None if o.attach else o.max_num_seqs, model_top_k=model.identity.top_k,
+        decode_slots=None if o.attach else o.max_num_seqs, max_queued=o.max_queued,
+        model_top_k=model.identity.top_k,
         api_key=o.api_key, admin_api_key=o.admin_api_key, worker_api_key=o.worker_api_key,
         # Checked in ``run`` before the proxy opens; the proxy checks each worker that rejoins.
         self_check=None if o.skip_self_check else model.identity,

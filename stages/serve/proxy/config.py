@@ -53,6 +53,10 @@ class ProxyConfig:
     # Each decode worker's batch size (vLLM --max-num-seqs) when known; load-capped policies
     # keep requests off a full worker while another has room.
     decode_slots: int | None = None
+    # Load shedding: requests in flight beyond the decode workers' batch slots (all of them
+    # when the slots are unknown) past which a new one gets 503 with Retry-After. None: no
+    # bound.
+    max_queued: int | None = None
     online_refit: bool = False
     refit_window_s: float = 5.0
     refit_interval_s: float = 2.0
@@ -75,6 +79,14 @@ class ProxyConfig:
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def admission_limit(self) -> int | None:
+        """Requests in flight (prefilling or decoding) past which new ones are shed."""
+        if self.max_queued is None:
+            return None
+        slots = (self.decode_slots or 0) * len(self.decode_urls)
+        return slots + self.max_queued
 
     def __post_init__(self) -> None:
         # Accept lists from callers that build configs from JSON/CLI, but store tuples so the
@@ -109,6 +121,8 @@ class ProxyConfig:
         ):
             if not getattr(self, name) > 0:
                 raise EldrError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise EldrError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.max_attempts < 1:
             raise EldrError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_body_bytes < 1 or self.max_connections < 1 or self.max_fanout < 1:

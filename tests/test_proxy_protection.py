@@ -1,5 +1,7 @@
-"""Outlier ejection: a worker that answers its health probes but keeps failing requests leaves
-rotation for a time that doubles on each repeat, and comes back on probation."""
+"""The proxy protecting itself and its clients: outlier ejection (a worker that answers its
+health probes but keeps failing requests leaves rotation for a time that doubles on each
+repeat, and comes back on probation) and load shedding (a burst past the queue bound gets 503
+with Retry-After)."""
 
 from __future__ import annotations
 
@@ -113,6 +115,44 @@ def test_a_worker_that_fails_every_request_is_ejected_while_the_others_serve() -
             metrics = client.get("/metrics").text
             assert 'eldr_worker_ejections_total{role="decode",worker="decode-1"} 1.0' in metrics
             assert 'eldr_router_worker_ejected{role="decode",worker="decode-1"} 1.0' in metrics
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_a_burst_past_the_queue_bound_is_shed_with_retry_after() -> None:
+    """2 decode workers x 1 slot + 1 queued: three slow streams in flight at once, the rest
+    of a burst of eight get vLLM-shaped 503s with Retry-After, and a request after the burst
+    is served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    behaviors = [FakeBehavior("p0"), FakeBehavior("d0", token_delay_s=0.3),
+                 FakeBehavior("d1", token_delay_s=0.3)]
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    config = fast_config([workers[0].url], [w.url for w in workers[1:]], policy="jsq",
+                         decode_slots=1, max_queued=1)
+
+    def send(client: httpx.Client, i: int) -> httpx.Response:
+        return client.post("/v1/completions",
+                           json={"prompt": f"b{i}", "max_tokens": 4, "stream": True})
+
+    try:
+        with BackgroundServer(create_app(config)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=20) as client:
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(lambda i: send(client, i), range(8)))
+            served = [r for r in answers if r.status_code == 200]
+            shed = [r for r in answers if r.status_code == 503]
+            assert len(served) + len(shed) == 8 and 1 <= len(served) <= 3 and shed
+            for r in shed:
+                assert r.headers["retry-after"] == "1"
+                error = r.json()["error"]
+                assert error["type"] == "overloaded" and error["code"] == 503
+                assert "at capacity" in error["message"]
+            assert all(r.content.endswith(b"data: [DONE]\n\n") for r in served)
+            assert send(client, 99).status_code == 200  # the burst is over
+            metrics = client.get("/metrics").text
+            assert f'eldr_router_request_errors_total{{kind="overloaded"}} {len(shed)}.0' in metrics
     finally:
         for w in workers:
             w.stop()
