@@ -97,6 +97,10 @@ def serve(
         help="Proxy log level: debug, info, warning, error (worker logs go to their files).",
         case_sensitive=False)] = "warning",
     seed: SeedOption = 0,
+    drain_timeout: Annotated[float, typer.Option(
+        help="On Ctrl-C or SIGTERM: seconds the requests in flight get to finish while new ones"
+        " (and /health) get 503; a second signal stops at once. 0 stops at once.", min=0)]
+    = 30.0,
 ) -> None:
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
     the routing proxy in front of them. A started worker whose process ends is restarted.
@@ -114,7 +118,7 @@ def serve(
         vllm_args=tuple(vllm_arg or ()), api_key=api_key, insecure=insecure,
         admin_api_key=admin_api_key,
         worker_api_key=worker_api_key, skip_self_check=skip_self_check, log_level=log_level,
-        seed=seed,
+        seed=seed, drain_timeout=drain_timeout,
     )
     plan = deploy.plan(options)
     if plan.warning is not None:

@@ -156,3 +156,105 @@ def test_a_burst_past_the_queue_bound_is_shed_with_retry_after() -> None:
     finally:
         for w in workers:
             w.stop()
+
+
+def test_an_operator_drains_one_worker_for_a_rolling_restart() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    behaviors = [FakeBehavior("p0"), FakeBehavior("d0"), FakeBehavior("d1", token_delay_s=0.2)]
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    config = fast_config([workers[0].url], [w.url for w in workers[1:]], policy="rr")
+    try:
+        with BackgroundServer(create_app(config)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=20) as client, \
+                ThreadPoolExecutor(2) as pool:
+            body = {"prompt": "x", "max_tokens": 6, "stream": True}
+            slow = [pool.submit(client.post, "/v1/completions", json=body) for _ in range(2)]
+            deadline = time.monotonic() + 10  # rr: one of them streams slowly from d1
+            while client.get("/admin/state").json()["decode_workers"][1]["in_flight"] != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            drained = client.post("/admin/workers/decode-1/drain").json()
+            assert drained == {"worker": "decode-1", "draining": True, "in_flight": 1,
+                               "healthy": True}
+            before = len(behaviors[2].received)
+            for i in range(4):
+                assert client.post("/v1/completions",
+                                   json={"prompt": f"n{i}", "max_tokens": 2}).status_code == 200
+            assert len(behaviors[2].received) == before  # no new request reached it
+            assert all(f.result().content.endswith(b"data: [DONE]\n\n") for f in slow)
+            state = client.get("/admin/state").json()["decode_workers"][1]
+            assert state["draining"] and state["in_flight"] == 0  # safe to restart it now
+            last = client.post("/admin/workers/decode-0/drain")
+            assert last.status_code == 409 and "last decode worker" in last.text
+            assert client.post("/admin/workers/decode-7/drain").status_code == 404
+            assert client.delete("/admin/workers/decode-1/drain").json()["draining"] is False
+            for i in range(2):
+                client.post("/v1/completions", json={"prompt": f"m{i}", "max_tokens": 2})
+            assert len(behaviors[2].received) > before  # back in rotation
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def _proxy_process(config: str, port: int, drain_s: float):  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    code = ("from stages.serve.proxy import run_proxy\n"
+            "from stages.serve.proxy.config import ProxyConfig\n"
+            f"run_proxy({config}, port={port}, log_level='warning', drain_timeout_s={drain_s})\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("drain_s", [30.0, 1.0])
+def test_sigterm_drains_the_proxy_before_it_stops(drain_s: float) -> None:
+    """In-flight streams finish (or the drain's time runs out); meanwhile new requests and
+    /health get 503, and the process ends once nothing is left."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import free_port
+
+    behaviors = [FakeBehavior("p0"), FakeBehavior("d0", tokens=10, token_delay_s=0.3)]
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    port = free_port()
+    config = (f"ProxyConfig(prefill_urls=({workers[0].url!r},), decode_urls=({workers[1].url!r},),"
+              " policy='rr', health_interval_s=0.2)")
+    proc = _proxy_process(config, port, drain_s)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        with httpx.Client(base_url=url, timeout=20) as client, ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(client.post, "/v1/completions",
+                                 json={"prompt": "s", "max_tokens": 10, "stream": True})
+            time.sleep(0.5)  # streaming now, about 3 s to go
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "draining"
+            assert refused.headers["retry-after"] == "1"
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            started = time.monotonic()
+            if drain_s > 5:
+                answer = stream.result()
+                assert answer.content.endswith(b"data: [DONE]\n\n")
+                assert answer.content.count(b"data: {") == 10  # every token arrived
+            proc.wait(timeout=30)
+            stopped = time.monotonic() - started
+        assert stopped < (4 if drain_s > 5 else 3), stopped  # once drained, not the full 30 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in workers:
+            w.stop()

@@ -59,6 +59,7 @@ class ServeOptions:
     skip_self_check: bool = False
     log_level: str = "warning"
     seed: int = 0
+    drain_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
 
     @property
     def attach(self) -> bool:
@@ -200,10 +201,12 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
             supervisor = Supervisor(cluster)
             supervisor.start()
         echo(f"proxy on http://{o.host}:{o.port} (policy {o.policy}); Ctrl-C stops everything")
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; our
-        # handler turns that into KeyboardInterrupt so the workers below are still stopped.
+        # The proxy drains on SIGINT/SIGTERM (503 to new requests while those in flight
+        # finish), then re-raises the signal; our handler turns that into KeyboardInterrupt so
+        # the workers below are stopped only after the drain.
         proxy.run_proxy(config, host=o.host, port=o.port, log_level=o.log_level.lower(),
-                        restarts=supervisor.restarts if supervisor is not None else no_restarts)
+                        restarts=supervisor.restarts if supervisor is not None else no_restarts,
+                        drain_timeout_s=o.drain_timeout)
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -49,7 +49,30 @@ def _worker_checks(state: ProxyState, role: str, index: int) -> dict[str, Any] |
 
 def _ejection(w: WorkerView) -> dict[str, Any]:
     return {"consecutive_failures": w.consecutive_failures, "ejections": w.ejections,
-            "ejected_for_s": round(w.ejected_for_s, 1), "probation": w.probation}
+            "ejected_for_s": round(w.ejected_for_s, 1), "probation": w.probation,
+            "draining": w.draining}
+
+
+async def drain_worker(request: Request) -> Response:
+    """``POST /admin/workers/{name}/drain``: no new request goes to the worker (those on it
+    finish; poll its ``in_flight`` until 0, then restart it); ``DELETE`` puts it back."""
+    state: ProxyState = request.app.state.proxy
+    name = request.path_params["name"]
+    for pool in (state.decode, state.prefill):
+        index = pool.index_of(name)
+        if index is None:
+            continue
+        draining = request.method == "POST"
+        if draining and pool.eligible(exclude=[index]).sum() == 0:
+            return json_error(409, f"{name} is the last {pool.role} worker in rotation: draining"
+                              " it would fail every request", "conflict", param="name")
+        pool.set_draining(index, draining)
+        view = pool.views()[index]
+        return json_response({"worker": name, "draining": view.draining,
+                              "in_flight": view.in_flight, "healthy": view.healthy})
+    names = [p.name(i) for p in (state.prefill, state.decode) for i in range(len(p))]
+    return json_error(404, f"no worker {name!r}; workers: {', '.join(names)}", "not_found",
+                      param="name")
 
 
 def snapshot(state: ProxyState) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Load shedding: a request that would wait behind too many others gets 503 at once, with
-``Retry-After``, instead of joining an unbounded queue.
+"""Load shedding: a request that would wait behind too many others, or that comes while the
+proxy drains, gets 503 at once, with ``Retry-After``, instead of joining an unbounded queue.
 
 In flight means prefilling or decoding on a worker (the pools' leases): past the decode
 workers' batch slots, a request waits in a vLLM scheduler queue, and ``max_queued`` bounds how
@@ -22,11 +22,20 @@ class Overloaded(ProxyError):
         )
 
 
+class Draining(Overloaded):
+    def __init__(self) -> None:
+        ProxyError.__init__(self, 503, "the proxy is stopping: send this request to another"
+                            " one, or retry once it is back", "draining")
+
+
 def admit(state: ProxyState) -> None:
-    """Raise ``Overloaded`` when a new request would exceed the admission limit."""
+    """Raise ``Overloaded`` when a new request would exceed the admission limit, ``Draining``
+    once the proxy is stopping."""
+    if state.draining:
+        raise Draining()
     limit = state.config.admission_limit
     if limit is None:
         return
-    in_flight = int(state.decode.loads().sum() + state.prefill.loads().sum())
+    in_flight = state.in_flight()
     if in_flight >= limit:
         raise Overloaded(in_flight, limit)

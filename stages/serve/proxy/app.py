@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import AsyncIterator
+from types import FrameType
 
 import uvicorn
 from starlette.applications import Starlette
@@ -106,6 +109,7 @@ def create_app(
             Route("/admin/state", admin.get_state, methods=["GET"]),
             Route("/admin/policy", admin.set_policy, methods=["POST"]),
             Route("/admin/artifact", admin.set_artifact, methods=["POST"]),
+            Route("/admin/workers/{name}/drain", admin.drain_worker, methods=["POST", "DELETE"]),
         ],
         # Outermost first: an unexpected error anywhere, the key check included, still gets
         # the JSON error shape; keys are checked before routing, as vLLM does, so an unknown
@@ -145,14 +149,16 @@ def run_proxy(
     *,
     artifact_loader: ArtifactLoader = load_from_store,
     restarts: RestartCounts = no_restarts,
+    drain_timeout_s: float = 30.0,
 ) -> None:
-    """Serve the proxy until interrupted (blocking; the launcher's entry point)."""
+    """Serve the proxy until interrupted (blocking; the launcher's entry point); the first
+    SIGINT or SIGTERM drains it (``DrainingServer``)."""
     # Routing math is one small matrix-vector product per request on the event loop; BLAS
     # helper threads would only add wake-up latency and steal cores from co-located workers.
     threadpool_limits(1, user_api="blas")
     app = create_app(config, artifact_loader=artifact_loader, restarts=restarts)
     _configure_logging(log_level)
-    uvicorn.run(
+    server = DrainingServer(uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -161,4 +167,40 @@ def run_proxy(
         access_log=False,
         # Long decode streams must not be cut by uvicorn's keep-alive timer between requests.
         timeout_keep_alive=30,
-    )
+        # What the drain left running when its time ran out is cancelled this much later.
+        timeout_graceful_shutdown=1,
+    ), app.state.proxy, drain_timeout_s)
+    server.run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains before it stops. The first SIGINT or SIGTERM turns new requests and
+    ``/health`` into 503s (a load balancer in front stops sending) and waits until no request
+    is in flight or ``drain_timeout_s`` passed; then uvicorn closes the socket and lets what is
+    left finish for ``timeout_graceful_shutdown``. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ProxyState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._state = state
+        self._drain_timeout_s = drain_timeout_s
+        self._drain_deadline = math.inf
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._state.draining or self._drain_timeout_s <= 0:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)  # re-raised after the drain, as uvicorn does
+        self._state.draining = True
+        self._drain_deadline = time.monotonic() + self._drain_timeout_s
+        log.warning("draining: %d request(s) in flight, at most %.0f s",
+                    self._state.in_flight(), self._drain_timeout_s)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._state.draining and not self.should_exit:
+            done = self._state.in_flight() == 0
+            if done or time.monotonic() >= self._drain_deadline:
+                if not done:
+                    log.warning("drain timed out with %d request(s) in flight",
+                                self._state.in_flight())
+                self.should_exit = True
+        return await super().on_tick(counter)

@@ -38,10 +38,11 @@ async def health(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
     prefill = int(state.prefill.eligible().sum())
     decode = int(state.decode.eligible().sum())
-    ok = prefill > 0 and decode > 0
+    ok = prefill > 0 and decode > 0 and not state.draining
+    status = "draining" if state.draining else "ok" if ok else "unavailable"
     return json_response(
         {
-            "status": "ok" if ok else "unavailable",
+            "status": status,
             "prefill_healthy": prefill,
             "decode_healthy": decode,
         },

@@ -39,6 +39,13 @@ class ProxyState:
     decode_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
     health_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
     _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+    # Set once the proxy is stopping: new requests and /health answer 503 while the requests
+    # in flight finish (stages.serve.proxy.app.DrainingServer).
+    draining: bool = False
+
+    def in_flight(self) -> int:
+        """Requests on a worker now, prefilling or decoding."""
+        return int(self.decode.loads().sum() + self.prefill.loads().sum())
 
     def __post_init__(self) -> None:
         c = self.config

@@ -50,6 +50,7 @@ class WorkerView:
     ejections: int
     ejected_for_s: float  # 0 when not ejected
     probation: bool
+    draining: bool
 
 
 class WorkerPool:
@@ -68,6 +69,7 @@ class WorkerPool:
         self._streak = [0] * n  # ejections in a row, each within max_s of the last's end
         self._ejected_until = [-float("inf")] * n
         self._probation = [False] * n
+        self._draining = np.zeros(n, dtype=bool)  # out of rotation by an operator (admin API)
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -86,7 +88,7 @@ class WorkerPool:
         return bool(self._healthy[index])
 
     def eligible(self, exclude: Iterable[int] = ()) -> np.ndarray:
-        mask = self._healthy.copy()
+        mask = self._healthy & ~self._draining
         for i in exclude:
             mask[i] = False
         return mask
@@ -129,6 +131,20 @@ class WorkerPool:
             log.info("%s worker %s passed its probation", self.role, self.urls[index])
         self._probation[index] = False
 
+    def set_draining(self, index: int, draining: bool) -> None:
+        """Take the worker out of rotation for new requests (those on it finish), or back."""
+        if bool(self._draining[index]) != draining:
+            log.info("%s worker %s %s", self.role, self.urls[index],
+                     "draining" if draining else "back in rotation after a drain")
+        self._draining[index] = draining
+
+    def draining(self, index: int) -> bool:
+        return bool(self._draining[index])
+
+    def index_of(self, name: str) -> int | None:
+        """The worker called ``name`` (``decode-0``) in this pool, if any."""
+        return next((i for i in range(len(self.urls)) if self.name(i) == name), None)
+
     def ejected(self, index: int) -> bool:
         return self._clock() < self._ejected_until[index]
 
@@ -156,7 +172,8 @@ class WorkerPool:
         return [
             WorkerView(i, url, int(self._inflight[i]), bool(self._healthy[i]),
                        self._last_error[i], self._failures[i], self._ejections[i],
-                       max(0.0, self._ejected_until[i] - now), self._probation[i])
+                       max(0.0, self._ejected_until[i] - now), self._probation[i],
+                       bool(self._draining[i]))
             for i, url in enumerate(self.urls)
         ]
 
