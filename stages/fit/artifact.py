@@ -210,7 +210,8 @@ class ArtifactStore:
         path = self.root / LATEST
         if not path.is_file():
             return None
-        version = path.read_text().strip()
+        # Bytes, not text: a damaged pointer must read as a bad version name, not a decode error.
+        version = path.read_bytes().decode("ascii", errors="replace").strip()
         self._check_version_name(version, what=f"{path} points to")
         return version
 

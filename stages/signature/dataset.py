@@ -229,14 +229,17 @@ class SignatureDataset:
         n = len(self)
         if n == 0:
             raise EldrError(f"{self.path} holds no signatures yet; run `eldr capture`")
+        try:
+            columns = {name: np.asarray(self._group[name][:n]) for name in (
+                "id", "domain", "prompt_sha256", "prompt_tokens", "output_tokens",
+                "prefill_counts", "decode_counts")}
+        except Exception as exc:  # a damaged chunk: zarr and its codecs raise many types
+            raise EldrError(f"{self.path} is damaged: cannot read its rows: {exc!r}") from exc
         return SignatureArrays(
-            ids=np.asarray(self._group["id"][:n]),
-            domains=np.asarray(self._group["domain"][:n]),
-            prompt_sha256=np.asarray(self._group["prompt_sha256"][:n]),
-            prompt_tokens=np.asarray(self._group["prompt_tokens"][:n]),
-            output_tokens=np.asarray(self._group["output_tokens"][:n]),
-            prefill_counts=np.asarray(self._group["prefill_counts"][:n]),
-            decode_counts=np.asarray(self._group["decode_counts"][:n]),
+            ids=columns["id"], domains=columns["domain"],
+            prompt_sha256=columns["prompt_sha256"], prompt_tokens=columns["prompt_tokens"],
+            output_tokens=columns["output_tokens"], prefill_counts=columns["prefill_counts"],
+            decode_counts=columns["decode_counts"],
         )
 
     def content_hash(self) -> str:

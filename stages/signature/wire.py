@@ -65,7 +65,8 @@ def decode(params: dict[str, Any] | None, expected_shape: tuple[int, int] | None
         raw = pybase64.b64decode_as_bytearray(params[SIGNATURE_KEY], validate=True)
     except (KeyError, TypeError, ValueError):
         return None
-    if len(shape) != 2 or shape[0] * shape[1] * 2 != len(raw):
+    # Negative sizes whose product fits the bytes (-1 x -1) would make reshape fail.
+    if len(shape) != 2 or min(shape) < 0 or shape[0] * shape[1] * 2 != len(raw):
         return None
     if expected_shape is not None and shape != tuple(expected_shape):
         return None
