@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from stages.capture.nixl_progress import ENV as NIXL_PROGRESS_ENV
 from stages.errors import EldrError
 from stages.procs import keeper
 
@@ -153,6 +154,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores or "nobind"
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
+    if on_cpu():
+        env.setdefault(NIXL_PROGRESS_ENV, "0")  # stages.capture.nixl_progress
     env.update(LOOPBACK_ENV)
     if spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(_physical_gpu(gpu) for gpu in spec.gpus)

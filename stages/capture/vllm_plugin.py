@@ -38,3 +38,9 @@ def register() -> None:
         # configured with eldr's connector refuses at start (release check, missing buffers).
         log.warning("eldr: cannot hook MoE layers in this vLLM release (%s); engines using"
                     " %s will refuse to start", exc, CONNECTOR_NAME)
+    try:
+        from stages.capture.nixl_progress import apply_progress_thread_choice
+
+        apply_progress_thread_choice()  # only in workers eldr starts on CPU
+    except ImportError as exc:
+        log.warning("eldr: NIXL's progress thread stays on (%s)", exc)
