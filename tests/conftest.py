@@ -73,11 +73,13 @@ def home_with(calibration: Path, home: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def plain_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One vLLM server on the tiny model with eldr's connector (signatures, no PD)."""
+    """One vLLM server on the tiny model with eldr's connector (signatures, no PD). Eager: it
+    starts faster, and compiled recording is checked by every capture and serve test."""
     from stages.engine import ServerSpec, VllmServer
 
     spec = ServerSpec(
         model=str(tiny_model), port=free_port(), role="plain", served_name="tiny",
+        enforce_eager=True,
         extra_args=("--enable-prompt-tokens-details",),
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )

@@ -1,7 +1,7 @@
 """`eldr serve` under faults, against real vLLM: workers killed with SIGKILL under load and
 idle, then the `eldr serve` process itself; and every socket it opened stays on loopback.
 
-One `eldr serve --prefill 1 --decode 3` on a K=3 artifact (fitted here on the shared
+One `eldr serve --prefill 1 --decode 2` on a K=2 artifact (fitted here on the shared
 calibration capture) serves the whole module, in this order:
 
 1. listeners: every process eldr started listens on loopback only;
@@ -11,12 +11,14 @@ calibration capture) serves the whole module, in this order:
    once restarted. For the centroid policy the dead worker's cluster must have moved to a live
    worker while it was down (the elastic pool), with no refit;
 3. with no traffic, a decode worker's API server and then the prefill worker's engine core are
-   killed: each leaves routing within 5 s and serves again within 2 min, having passed the
-   self-check again, no request failing after;
+   killed: each leaves routing within 5 s and serves again within 4 min (a restart on this
+   2-core machine, beside two running workers), having passed the self-check again, no
+   request failing after;
 4. last, `eldr serve` itself gets SIGKILL: nothing it started may be left 10 s later.
 
 Workers run eager: fail-over and supervision, not compilation, are under test, and eager
-workers restart faster.
+workers restart faster. Two decode workers, not more: every PD worker's NIXL progress thread
+keeps a core busy on CPU, and restarts beside four such workers took three minutes.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ PROMPTS = [
     "The capital of France is", "def fibonacci(n):", "Solve: 3 + 4 =", "Once upon a time",
     "import numpy as np\n", "The mitochondria is", "SELECT name FROM", "Dear Sir or Madam,",
 ]
-DECODE = 3
+DECODE = 2
 CLIENTS = 6
 BEFORE_KILL_S, AFTER_KILL_S = 4.0, 20.0
 LOAD_VICTIM = 1  # the decode worker killed under load, once per policy
@@ -167,7 +169,7 @@ def _load(url: str, stop: threading.Event, client: int) -> list[Outcome]:
 
 @pytest.mark.parametrize("policy", ["eldr-union", "eldr"])
 def test_a_decode_worker_killed_under_load_fails_no_request(served: Served, policy: str) -> None:
-    _wait_decode_healthy(served, DECODE, 240)  # the previous case's victim is back
+    _wait_decode_healthy(served, DECODE, 300)  # the previous case's victim is back
     switched = httpx.post(f"{served.url}/admin/policy", json={"policy": policy}, timeout=10)
     assert switched.status_code == 200, switched.text
     victim = served.decode_api_server(LOAD_VICTIM)
@@ -195,9 +197,9 @@ def test_a_decode_worker_killed_under_load_fails_no_request(served: Served, poli
     assert len(after) >= CLIENTS, f"only {len(after)} requests after the kill"
     assert moved, "the killed worker never left routing"
     if policy == "eldr":
-        # K=3 on 3 workers: the dead worker's cluster is served by a live one meanwhile.
+        # K=2 on 2 workers: the dead worker's cluster is served by the live one meanwhile.
         assert all(m[LOAD_VICTIM] == 0 and sum(m) == DECODE for m in moved), moved
-    _wait_decode_healthy(served, DECODE, 240)
+    _wait_decode_healthy(served, DECODE, 300)
     assert served.decode_api_server(LOAD_VICTIM) != victim
     print(f"\n{policy}: {len(outcomes)} requests, {len(after)} started after the SIGKILL, none"
           f" failed; clusters per worker while it was down: {moved[-1]}")
@@ -212,7 +214,7 @@ def test_a_killed_worker_leaves_routing_at_once_and_serves_again(
 ) -> None:
     key = f"{role}_healthy"
     everyone = DECODE if role == "decode" else 1
-    _wait_decode_healthy(served, DECODE, 240)
+    _wait_decode_healthy(served, DECODE, 300)
     assert served.health()[key] == everyone
     api = served.api_server(served.worker_port + (1 + index if role == "decode" else 0))
     target = api
@@ -226,8 +228,8 @@ def test_a_killed_worker_leaves_routing_at_once_and_serves_again(
         time.sleep(0.2)
     out = time.monotonic() - killed
     while served.health().get(key) != everyone:
-        assert time.monotonic() - killed < 120, (
-            f"{role} worker not back within 2 min:\n{served.log.read_text()[-3000:]}"
+        assert time.monotonic() - killed < 240, (
+            f"{role} worker not back within 4 min:\n{served.log.read_text()[-3000:]}"
         )
         served.seen()
         time.sleep(1)
@@ -252,7 +254,7 @@ def test_a_killed_worker_leaves_routing_at_once_and_serves_again(
 
 def test_sigkill_of_eldr_serve_leaves_no_process_it_started(served: Served) -> None:
     started = served.seen()
-    assert len(started) >= 12  # four keepers, their API servers, engine cores and workers
+    assert len(started) >= 9  # three keepers, their API servers, engine cores and workers
     served.proc.kill()
     served.proc.wait()
     killed = time.monotonic()
