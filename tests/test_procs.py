@@ -16,7 +16,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from stages.procs import linux
+from tests.conftest import free_port
 
 # A process that starts a child which starts a grandchild (for depth 2), prints their pids, and
 # sleeps: the shape of vLLM's api_server -> EngineCore -> Worker.
@@ -189,3 +192,21 @@ def test_descendants_and_pid_reuse_safety() -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_off_linux_serve_refuses_to_start_workers_and_capture_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """macOS and the like: a clear refusal naming --attach-*, never a traceback half-way; a
+    capture runs without its watchdog and says so."""
+    from stages.errors import EldrError
+    from stages.procs import platform_check
+    from stages.procs.watchdog import Watchdog
+    from stages.serve.deploy import ServeOptions, plan
+
+    monkeypatch.setattr(platform_check.sys, "platform", "darwin")
+    with pytest.raises(EldrError, match="--attach-prefill URL --attach-decode URL"):
+        plan(ServeOptions(policy="rr", port=free_port()))
+    with caplog.at_level("WARNING"), Watchdog() as watchdog:
+        assert watchdog.pid is None
+    assert "no orphan protection on darwin" in caplog.text

@@ -13,6 +13,7 @@ The owner ends the watchdog with SIGTERM (``Watchdog.close``) once its engine is
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
@@ -22,15 +23,24 @@ import time
 from types import TracebackType
 
 from stages.procs import linux
+from stages.procs.platform_check import owns_processes
+
+log = logging.getLogger(__name__)
 
 _REFRESH_S = 0.5
 _SWEEPS = 20
 
 
 class Watchdog:
-    """The running watchdog of this process (a context manager: leaving it stops the watch)."""
+    """The running watchdog of this process (a context manager: leaving it stops the watch).
+    Off Linux there is none, and the user is told the engine may outlive a killed capture."""
 
     def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        if not owns_processes():
+            log.warning("eldr: no orphan protection on %s: if capture is killed, end its vLLM"
+                        " engine processes yourself", sys.platform)
+            return
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "stages.procs.watchdog", str(os.getpid())],
             # Its own session: a Ctrl-C meant for eldr must not end the watch first.
@@ -39,12 +49,13 @@ class Watchdog:
         )
 
     @property
-    def pid(self) -> int:
-        return self._proc.pid
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def close(self) -> None:
-        self._proc.terminate()
-        self._proc.wait()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
 
     def __enter__(self) -> Watchdog:
         return self

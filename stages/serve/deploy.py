@@ -110,6 +110,7 @@ def plan(options: ServeOptions) -> ServePlan:
     from stages.engine import on_cpu
     from stages.fit.artifact import load_for_serving
     from stages.models import check_handoff_compatible, resolve_model
+    from stages.procs.platform_check import require_process_ownership
     from stages.serve.cluster.engine_args import check_recordable, engine_args
     from stages.serve.cluster.ports import check_free
     from stages.serve.proxy.auth import check_exposure
@@ -122,6 +123,7 @@ def plan(options: ServeOptions) -> ServePlan:
     for role, tp in (("prefill", o.prefill_tp), ("decode", o.decode_tp)):
         check_recordable(extra_args, tp, on_cpu(), role)
     if not o.attach:
+        require_process_ownership()
         check_vllm()  # attached workers run their own vLLM: the self-check covers them
     store = o.store or paths.default_artifact_store()
     model = resolve_model(o.model)
