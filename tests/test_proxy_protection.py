@@ -258,3 +258,15 @@ def test_sigterm_drains_the_proxy_before_it_stops(drain_s: float) -> None:
             proc.kill()
         for w in workers:
             w.stop()
+
+
+def test_the_bench_sends_a_cost_file_inline(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from stages.bench.live.admin import inline_cost
+    from stages.routing.cost_model import cpu_like
+
+    cpu_like(4).save(tmp_path / "cost.json")
+    sent = inline_cost({"cost": str(tmp_path / "cost.json"), "load_slack": 0.5})
+    assert sent == {"cost": cpu_like(4).to_json(), "load_slack": 0.5}
+    assert inline_cost({"cost": "gpu"}) == {"cost": "gpu"}
+    with pytest.raises(EldrError, match="no cost model"):
+        inline_cost({"cost": str(tmp_path / "missing.json")})

@@ -56,7 +56,7 @@ class ProxyAdmin:
         url = f"{self._base}/admin/policy"
         body: dict[str, Any] = {"policy": name}
         if config:
-            body["config"] = dict(config)
+            body["config"] = inline_cost(config)
         if seed is not None:
             body["seed"] = seed
         try:
@@ -79,6 +79,20 @@ class ProxyAdmin:
                 f" {state.get('policy_seed')!r} (a proxy older than this bench?)"
             )
         return state
+
+
+def inline_cost(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with a cost model file read into the request: the proxy may run on another
+    machine, and reads cost files of a client's naming only under its own eldr home."""
+    from pathlib import Path
+
+    from stages.routing.cost_model import COST_PRESETS, CostModel
+
+    out = dict(config)
+    cost = out.get("cost")
+    if isinstance(cost, str) and cost not in ("", *COST_PRESETS):
+        out["cost"] = CostModel.load(Path(cost)).to_json()  # EldrError names a missing file
+    return out
 
 
 def decode_worker_urls(state: dict[str, Any]) -> tuple[str, ...]:
