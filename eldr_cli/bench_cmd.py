@@ -84,6 +84,10 @@ def bench(
         " data (same --k as the simulation's, so the gains compare); its held-out gain"
         " (prefill-to-decode agreement) is marked on the dial. Default: the simulation's"
         " artifact (--store).", show_default=False)] = None,
+    include_fit_rows: Annotated[bool, typer.Option(
+        "--include-fit-rows", help="--simulate: also draw the requests the artifact's centroids"
+        " were fit on (by default only those its fit held out, when it was fit on --data).")]
+    = False,
     engine_cost: Annotated[bool, typer.Option(
         "--engine-cost", help="Measure decode step time vs distinct experts on the running"
         " decode workers and fit the simulator's cost model.")] = False,
@@ -122,7 +126,7 @@ def bench(
             request_rate=request_rate, prefill=prefill, decode=decode, duration=duration,
             cost=cost or "gpu", output_tokens=output_tokens, seed=seed,
             locality_blend=locality_blend, locality_reference=locality_reference,
-            policy_config=options,
+            policy_config=options, include_fit_rows=include_fit_rows,
         ), typer.echo)
     elif engine_cost:
         from stages.bench.cost.engine_cost_run import run_engine_cost

@@ -290,3 +290,45 @@ def test_live_shape_reads_the_proxy_state() -> None:
     assert live_shape({"proxy_state": {"rr": state}}) == "1P2D"
     assert live_shape({"decode_urls": ["a", "b"]}) == "2D"
     assert live_shape({}) == ""
+
+
+def test_repeated_rows_manufacture_no_locality_once_the_prefill_predicts_nothing() -> None:
+    """100 rows with strong locality, each drawn about twelve times by 8 decode workers: with
+    every request's decode borrowed from another request (s = 1), no policy reads fewer
+    distinct experts than the load balancers beyond their own spread. With partners per
+    dataset row instead (the simulator before), a row drawn twice carried the same borrowed
+    decode, and centroid routing exploited the repeats: on the same stream it read 5% fewer
+    experts than with partners per request, which this test would see."""
+    data = synthetic_signatures(replace(SPEC, num_requests=100, seed=5))
+    artifact = stand_in_artifact(data, k=8, seed=0)
+    config = replace(_config(policies=("eldr", "eldr-bl", "eldr-union", "rr", "jsq"),
+                             duration_s=15.0, request_rate=80.0), num_decode=8)
+
+    def experts(results: dict) -> dict[str, float]:
+        return {n: r.metrics["distinct_experts_per_layer"] for n, r in results.items()}
+
+    fair = experts(simulate(replace(config, locality_blend=1.0), data, artifact, top_k=2))
+    for name in ("eldr", "eldr-bl", "eldr-union"):
+        assert fair[name] >= 0.98 * min(fair["rr"], fair["jsq"]), fair
+    per_row = blend_decode(data, 1.0, seed=config.seed, top_k=2)  # partners by row
+    leaky = experts(simulate(config, per_row, artifact, top_k=2))
+    assert leaky["eldr-bl"] < 0.97 * fair["eldr-bl"], (leaky, fair)
+
+
+def test_the_simulation_draws_only_requests_the_centroids_did_not_see(
+    arrays, tmp_path: Path
+) -> None:
+    from stages.bench.sim.simulate_run import SMALL_DATASET, unseen_requests
+    from stages.fit.pipeline import split_requests
+
+    fitted = _fit(arrays, tmp_path / "fit")
+    pool, notes = unseen_requests(arrays, fitted, DATASET_HASH, include_fit_rows=False)
+    held = split_requests(len(arrays), 0.2, 1)[1]
+    assert len(pool) == held.size == 80
+    np.testing.assert_array_equal(pool.prefill_counts, arrays.prefill_counts[held])
+    assert f"simulating the 80 requests artifact {fitted.version} held out" in notes[0]
+    assert len(pool) < SMALL_DATASET and "80 distinct requests" in notes[-1]
+    everything, _ = unseen_requests(arrays, fitted, DATASET_HASH, include_fit_rows=True)
+    assert everything is arrays
+    other, notes = unseen_requests(arrays, fitted, "e" * 64, include_fit_rows=False)
+    assert other is arrays and not any("held out" in n for n in notes)  # fit on other data

@@ -11,7 +11,7 @@ decode step). Per decode step, with an interval and the TPOT change it predicts,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -139,6 +139,17 @@ def split_requests(n: int, holdout_fraction: float, seed: int) -> tuple[np.ndarr
     order = np.random.default_rng(seed).permutation(n)
     n_held = round(n * holdout_fraction)
     return np.sort(order[n_held:]), np.sort(order[:n_held])
+
+
+def held_out_rows(params: Mapping[str, Any], num_rows: int) -> np.ndarray | None:
+    """The rows of a ``num_rows``-row dataset that a fit with ``params`` (an artifact's) held
+    out, or None when the params do not describe a split of that many rows."""
+    try:
+        if int(params["num_requests"]) != num_rows:
+            return None
+        return split_requests(num_rows, float(params["holdout_fraction"]), int(params["seed"]))[1]
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def fit_warnings(

@@ -164,16 +164,20 @@ def run_locality_sweep(
     *,
     top_k: int,
     gauge: Gauge | None = None,
+    simulated: SignatureArrays | None = None,
 ) -> LocalitySweep:
-    """``simulate`` at each strength (the rest of ``config`` unchanged), and with a ``gauge``
-    (which needs the artifact) the agreement curve and the data mark."""
+    """``simulate`` at each strength (the rest of ``config`` unchanged) on ``simulated`` (by
+    default ``arrays``; the CLI passes the rows the centroids did not see), and with a
+    ``gauge`` (which needs the artifact) the agreement curve of ``arrays`` and the data
+    mark."""
     swept = tuple(sorted({check_strength(s) for s in strengths}))
     if len(swept) < 2:
         raise EldrError("a locality sweep needs at least two strengths, e.g. 0,0.5,1")
     comparisons = tuple(
         ComparisonResult(
             config.request_rate,
-            simulate(replace(config, locality_blend=s), arrays, artifact, top_k=top_k),
+            simulate(replace(config, locality_blend=s),
+                     arrays if simulated is None else simulated, artifact, top_k=top_k),
             {"locality_blend": s},
         )
         for s in swept

@@ -37,6 +37,40 @@ class SimulateOptions:
     locality_blend: str = "0"
     locality_reference: Path | None = None
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    # Also simulate the requests the artifact's centroids were fit on (by default only the
+    # ones it held out, when it was fit on this dataset).
+    include_fit_rows: bool = False
+
+
+# Fewer distinct requests than this, drawn over a whole simulation, repeat so often that
+# requests identical to one another share their experts exactly.
+SMALL_DATASET = 500
+
+
+def unseen_requests(arrays: SignatureArrays, artifact: Artifact | None, dataset_hash: str,
+                    include_fit_rows: bool) -> tuple[SignatureArrays, list[str]]:
+    """The rows to simulate, and what to tell the user about them. A simulation that draws the
+    very requests the centroids were fit on tests them on their training data."""
+    from stages.bench.sim.locality_blend import take_rows
+    from stages.fit.pipeline import held_out_rows
+
+    notes = []
+    pool = arrays
+    if artifact is not None and artifact.dataset_hash == dataset_hash and not include_fit_rows:
+        held = held_out_rows(artifact.params, len(arrays))
+        if held is None or held.size == 0:
+            notes.append(f"warning: artifact {artifact.version} was fit on every row of this"
+                         " dataset: the simulation tests its centroids on their training rows")
+        else:
+            pool = take_rows(arrays, held)
+            notes.append(f"simulating the {held.size} requests artifact {artifact.version}"
+                         f" held out of its fit (of {len(arrays)}; --include-fit-rows for all)")
+    if len(pool) < SMALL_DATASET:
+        notes.append(f"warning: {len(pool)} distinct requests, each drawn many times: repeats"
+                     " of one request share its experts exactly, which flatters every policy"
+                     " that groups similar requests; capture more prompts for figures that"
+                     " hold")
+    return pool, notes
 
 
 def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
@@ -65,6 +99,9 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
     if any(needs_centroids(name) for name in o.policies):
         artifact = load_for_serving(o.store or paths.default_artifact_store(), "latest", identity,
                                     decode)
+    pool, notes = unseen_requests(arrays, artifact, dataset.content_hash(), o.include_fit_rows)
+    for note in notes:
+        echo(note)
     model = cost_model_for(o.cost, identity.num_layers, identity.num_experts)
     base = SimConfig(cost=model, num_prefill=prefill, num_decode=decode, duration_s=duration,
                      policies=o.policies, output_tokens=output_tokens,
@@ -73,7 +110,7 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
     capacity = None
     if any(s.of_capacity for s in specs):
         capacity = cluster_capacity(
-            model, arrays, identity.top_k, num_prefill=prefill, num_decode=decode,
+            model, pool, identity.top_k, num_prefill=prefill, num_decode=decode,
             max_batch=base.max_batch, output_tokens=output_tokens,
             max_output_tokens=base.max_output_tokens,
             first_token_from_prefill=base.first_token_from_prefill)
@@ -84,7 +121,7 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
         echo(f"request rates {chosen} req/s: {capacity.describe()}")
     source = f"{prefill}P{decode}D simulated, cost {model.name}, {identity.name}"
     if len(strengths) > 1:
-        _locality_sweep(replace(base, request_rate=rates[0]), dataset, arrays, artifact,
+        _locality_sweep(replace(base, request_rate=rates[0]), dataset, arrays, pool, artifact,
                         strengths, identity.top_k, o.locality_reference, source, o.result_dir,
                         echo)
         return
@@ -92,7 +129,7 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
     sweep = []
     for rate in rates:
         config = replace(base, request_rate=rate)
-        comparison = ComparisonResult(rate, simulate(config, arrays, artifact,
+        comparison = ComparisonResult(rate, simulate(config, pool, artifact,
                                                      top_k=identity.top_k))
         sweep.append(comparison)
         save_comparison(comparison, o.result_dir)
@@ -104,8 +141,8 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
 
 
 def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: SignatureArrays,
-                    artifact: Artifact | None, strengths: list[float], top_k: int,
-                    reference_store: Path | None, source: str, result_dir: Path,
+                    pool: SignatureArrays, artifact: Artifact | None, strengths: list[float],
+                    top_k: int, reference_store: Path | None, source: str, result_dir: Path,
                     echo: Callable[[str], None]) -> None:
     import orjson
 
@@ -128,7 +165,8 @@ def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: Signat
             reference = ArtifactStore(reference_store).load("latest")
             name = f"eldr fit {reference.version} in {reference_store}"
         gauge = locality_gauge(artifact, dataset.content_hash(), len(arrays), reference, name)
-    sweep = run_locality_sweep(config, arrays, artifact, strengths, top_k=top_k, gauge=gauge)
+    sweep = run_locality_sweep(config, arrays, artifact, strengths, top_k=top_k, gauge=gauge,
+                               simulated=pool)
     rate = rate_label(config.request_rate)
     requests = requests_per_policy(sweep.comparisons[0])
     echo(f"locality dial, {source}, {rate} req/s, {config.duration_s:g} s,"

@@ -25,8 +25,8 @@ worker with its cores to itself (``CostModel.on_own_core``: a model measured on 
 a core says so): decode workers bound to one core (``decode_cores``) share it as the kernel
 does (``shared_cores``; vLLM's PD workers each keep their share even when idle). The expert
 and step-time figures are over decode-only steps (no request joining), as the workers'
-counters count them. With ``locality_blend`` s > 0 the dataset's decode profiles are first
-blended with other requests' (s = 1: no locality).
+counters count them. With ``locality_blend`` s > 0 each simulated request's decode profile is
+first blended with another simulated request's (s = 1: no locality; ``locality_blend``).
 
 A run is a sequence of segments per policy, each from an idle cluster (a live run's rounds);
 ``simulate`` runs one Poisson segment, the same for every policy.
@@ -44,7 +44,7 @@ import numpy as np
 from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import ComparisonResult, PolicyResult
 from stages.bench.sim.expert_union import DecodeProfiles, ExpertUnion
-from stages.bench.sim.locality_blend import blend_decode, check_strength
+from stages.bench.sim.locality_blend import blend_requests, check_strength
 from stages.bench.sim.shared_cores import SHARING_MODES, SharedCores, StepEnd
 from stages.bench.sim.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
@@ -543,7 +543,6 @@ def simulate(
     _check_inputs(config, arrays, artifact)
     if top_k < 1:
         raise EldrError(f"top_k must be >= 1, got {top_k}")
-    arrays = blend_decode(arrays, config.locality_blend, config.seed, top_k)
     workload = build_workload(
         arrays,
         request_rate=config.request_rate,
@@ -553,6 +552,8 @@ def simulate(
         seed=config.seed,
         artifact=artifact,
     )
+    arrays, workload = blend_requests(arrays, workload, config.locality_blend, config.seed,
+                                      top_k, config.output_tokens, config.max_output_tokens)
     if not (workload.arrival_s >= config.warmup_s).any():
         raise EldrError("no request arrives after the warm-up; raise the rate or the duration")
     segments = {name: [workload] for name in config.policies}
