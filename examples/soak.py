@@ -144,7 +144,8 @@ def main() -> int:
                     else:
                         r = httpx.post(f"{url}/admin/artifact", json={"version": first},
                                        timeout=10)
-                    events.append((now, f"{action} -> {name} ({r.status_code})"))
+                    target = first if action == "artifact" else name
+                    events.append((now, f"{action} -> {target} ({r.status_code})"))
             time.sleep(1)
         stop.set()
         for t in threads:
