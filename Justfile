@@ -12,9 +12,9 @@ demo:
 test *ARGS:
     bash scripts/test.sh {{ARGS}}
 
-# Fast tests only (no vLLM servers)
+# Fast tests only (no vLLM servers), on two processes: the development loop (about 2 minutes)
 test-fast:
-    .venv/bin/python -m pytest -q -m "not vllm"
+    .venv/bin/python -m pytest -q -m "not vllm" -n 2
 
 lint:
     .venv/bin/ruff check .
