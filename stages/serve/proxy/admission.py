@@ -14,18 +14,23 @@ from stages.serve.proxy.state import ProxyState
 RETRY_AFTER_S = 1
 
 
-class Overloaded(ProxyError):
+class Shed(ProxyError):
+    """A request refused before any work, with a 503 the client may retry (Retry-After)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(503, message, kind)
+
+
+class Overloaded(Shed):
     def __init__(self, in_flight: int, limit: int) -> None:
-        super().__init__(
-            503, f"the cluster is at capacity ({in_flight} requests in flight, at most {limit}):"
-            " retry shortly", "overloaded",
-        )
+        super().__init__(f"the cluster is at capacity ({in_flight} requests in flight, at most"
+                         f" {limit}): retry shortly", "overloaded")
 
 
-class Draining(Overloaded):
+class Draining(Shed):
     def __init__(self) -> None:
-        ProxyError.__init__(self, 503, "the proxy is stopping: send this request to another"
-                            " one, or retry once it is back", "draining")
+        super().__init__("the proxy is stopping: send this request to another one, or retry"
+                         " once it is back", "draining")
 
 
 def admit(state: ProxyState) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from stages.serve.proxy.admission import RETRY_AFTER_S, Overloaded, admit
+from stages.serve.proxy.admission import RETRY_AFTER_S, Shed, admit
 from stages.serve.proxy.answer import Answer, to_response
 from stages.serve.proxy.batch import serve_batch
 from stages.serve.proxy.batch_split import split
@@ -60,7 +60,7 @@ async def _handle(request: Request, chat: bool) -> Response:
             log.info("request %s: client left before the answer was ready", request_id)
             return Response(status_code=499, headers=reply_headers)
         return to_response(answer, reply_headers)
-    except Overloaded as exc:
+    except Shed as exc:
         metrics.request_errors.labels(exc.kind).inc()
         return exc.response({**reply_headers, "Retry-After": str(RETRY_AFTER_S)})
     except ProxyError as exc:
