@@ -65,6 +65,11 @@ class ServeOptions:
     def attach(self) -> bool:
         return bool(self.attach_prefill or self.attach_decode)
 
+    @property
+    def served_as(self) -> str:
+        """The model name clients use: --served-model-name, or --model as typed."""
+        return self.served_model_name or self.model
+
     def check(self) -> None:
         """The rules between flags, each a user error naming the flags."""
         from stages.serve.proxy.config import check_key, check_unchecked_policy
@@ -100,9 +105,6 @@ class ServePlan:
     proxy: ProxyConfig
     warning: str | None  # for the user, before anything starts
 
-    @property
-    def served_as(self) -> str:
-        return self.options.served_model_name or self.options.model
 
 
 def plan(options: ServeOptions) -> ServePlan:
@@ -146,7 +148,7 @@ def plan(options: ServeOptions) -> ServePlan:
     config = ProxyConfig(
         prefill_urls=prefill_urls, decode_urls=decode_urls, policy=o.policy,
         policy_config=o.policy_config, artifact_store=store if use_store else None,
-        artifact_version=o.artifact, model=o.served_model_name or o.model,
+        artifact_version=o.artifact, model=o.served_as,
         online_refit=o.online_refit, seed=o.seed,
         decode_slots=None if o.attach else o.max_num_seqs, max_queued=o.max_queued,
         model_top_k=model.identity.top_k,
@@ -163,7 +165,7 @@ def plan(options: ServeOptions) -> ServePlan:
 def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel | None,
              extra_args: tuple[str, ...]) -> launcher.Cluster:
     cluster = launcher.Cluster(launcher.ClusterSpec(
-        model=model.source, served_name=o.served_model_name or o.model, prefill=o.prefill,
+        model=model.source, served_name=o.served_as, prefill=o.prefill,
         decode=o.decode, prefill_model=prefill_model.source if prefill_model else None,
         base_port=o.worker_port, nixl_base_port=o.nixl_port, max_model_len=o.max_model_len,
         max_num_seqs=o.max_num_seqs, log_dir=paths.eldr_home() / "logs",
@@ -197,7 +199,7 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
             _start(deployment, cluster, echo)
         if not o.skip_self_check:  # every worker, started or attached, whatever the policy
             for url in (*config.prefill_urls, *config.decode_urls):
-                check_records_signatures(url, deployment.model.identity, deployment.served_as,
+                check_records_signatures(url, deployment.model.identity, o.served_as,
                                          o.worker_api_key)
         if cluster is not None:
             supervisor = Supervisor(cluster)
