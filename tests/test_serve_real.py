@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,15 +29,7 @@ from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
 from tests.conftest import free_port, home_with, requires_vllm
 from tests.fakes.worker import BackgroundServer
-from tests.proc_probe import (
-    api_server,
-    eldr_ok,
-    serve_log,
-    start_serve,
-    tree,
-    wait_gone,
-    wait_healthy,
-)
+from tests.proc_probe import api_server, eldr_ok, running_serve
 from tests.test_proxy_errors import CASES, LIMIT
 from tests.vllm_parity import BATCHES, MORE_CASES, answer, status_of
 
@@ -50,6 +42,7 @@ PROMPTS = [
 ]
 POLICIES = ["eldr", "eldr-bl", "rr", "jsq", "random", "p2c"]
 MAX_TOKENS = 12
+FUZZ_EXAMPLES = 80  # per route: about a minute in all on the live workers
 
 
 @dataclass
@@ -103,33 +96,13 @@ def deployment(calibration: Path, tmp_path_factory: pytest.TempPathFactory,
         reference = {p: _complete(plain.url, p) for p in PROMPTS}
     finally:
         plain.stop()
-    port, worker_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = serve_log(home)
-    proc = start_serve(["--port", str(port), "--worker-port", str(worker_port)], home,
-                       {**os.environ, "ELDR_HOME": str(home)})
-    started: set[int] = set()
-
-    def seen() -> None:
-        started.update(tree(proc.pid))
-
-    try:
-        wait_healthy(proc, url, 500, log.read_text, on_poll=seen)
-        state = httpx.get(f"{url}/admin/state", timeout=10).json()
+    with running_serve([], home) as served:
+        state = httpx.get(f"{served.url}/admin/state", timeout=10).json()
         yield Deployment(
-            proc, url, worker_port, reference, home,
+            served.proc, served.url, served.worker_port, reference, home,
             tuple(w["url"] for w in state["prefill_workers"]),
             tuple(w["url"] for w in state["decode_workers"]),
         )
-    finally:
-        seen()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        wait_gone(started, 30)
 
 
 def test_the_card_serves_20_clusters_on_two_workers_and_benches(
@@ -208,6 +181,48 @@ def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
             if got != want or (case in MORE_CASES and want != case.status):
                 differ.append(f"{case.id}: proxy {got}, vLLM {want}, listed {case.status}")
     assert not differ, "\n".join(differ)
+
+
+def test_schema_fuzzed_requests_get_vllms_status_class(deployment: Deployment) -> None:
+    """Requests generated from the OpenAPI document the live decode worker publishes (valid
+    and not, tests/openapi_fuzz.py), to a proxy on the live workers and to vLLM itself: the
+    same status class for every one, never a 5xx from the proxy, every answer read to its end
+    within a minute, and nothing left in flight."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    from stages.serve.proxy import create_app
+    from stages.serve.proxy.config import ProxyConfig
+    from tests.openapi_fuzz import ROUTES, request_bodies, send
+
+    vllm = deployment.decode_urls[0]
+    openapi = httpx.get(f"{vllm}/openapi.json", timeout=30).json()
+    config = ProxyConfig(prefill_urls=deployment.prefill_urls,
+                         decode_urls=deployment.decode_urls, policy="eldr-union", model="tiny")
+    seen: dict[tuple[int, int], int] = {}
+
+    def fuzz(proxy: str, route: str) -> Callable[[], None]:
+        # derandomized: CI sends the same examples every run, so a failure reproduces.
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+                  phases=[Phase.explicit, Phase.generate, Phase.shrink],
+                  suppress_health_check=list(HealthCheck))
+        @given(request_bodies(openapi, route, "tiny"))
+        def same_class(body: object) -> None:
+            got, want = send(proxy, route, body, 60), send(vllm, route, body, 60)
+            seen[got.status, want.status] = seen.get((got.status, want.status), 0) + 1
+            assert got.status < 500, (got, want)
+            assert got.status // 100 == want.status // 100, (got, want)
+            assert got.ended and want.ended, (got, want)
+
+        return same_class
+
+    with BackgroundServer(create_app(config)) as proxy:
+        for route in ROUTES:
+            fuzz(proxy.url, route)()
+        state = httpx.get(f"{proxy.url}/admin/state", timeout=10).json()
+    assert all(w["in_flight"] == 0 for w in state["prefill_workers"] + state["decode_workers"])
+    # Both paths were reached: requests vLLM served and requests it refused.
+    assert sum(n for (_, want), n in seen.items() if want == 200) >= 10, seen
+    assert sum(n for (_, want), n in seen.items() if want >= 400) >= 10, seen
 
 
 def _prompt_tokens_by_source(deployment: Deployment) -> tuple[float, float]:
