@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from stages.procs import linux
+from stages.procs.health import wait_healthy
 from stages.serve.cluster.ports import free_ports
 
 
@@ -46,16 +47,7 @@ def measure(progress_thread: str) -> tuple[float, float]:
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"eldr serve did not start (exit {proc.returncode})")
-            time.sleep(2)
+        wait_healthy(url, 900, proc.poll, interval_s=2)
         body = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 8,
                 "temperature": 0, "ignore_eos": True}
         httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()

@@ -34,6 +34,7 @@ import httpx
 import numpy as np
 import orjson
 
+from stages.procs.health import wait_healthy
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.payloads import decode_body, prefill_body
 from stages.signature.dataset import ModelIdentity
@@ -85,18 +86,6 @@ def serve_proxy(config: ProxyConfig, port: int) -> None:
     from stages.serve.proxy import run_proxy
 
     run_proxy(config, port=port, log_level="warning", artifact_loader=bench_artifact)
-
-
-def wait_ready(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
 
 
 def read_stream(response: httpx.Response, t0: float) -> float:
@@ -172,7 +161,8 @@ def main() -> None:
         p.start()
     try:
         for url in (prefill_url, decode_urls[0], proxy_url):
-            wait_ready(url)
+            wait_healthy(url, 60, lambda: next((p.exitcode for p in procs if not p.is_alive()),
+                                                None), interval_s=0.1)
         load_before = os.getloadavg()[0]
         print(
             f"proxy overhead: fake PD workers, ELDR over K={K} decode urls, signatures"

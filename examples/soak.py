@@ -13,8 +13,11 @@ Verdict (exit 1 when it fails):
 - every request ended: 200 with ``[DONE]``, or a stream that ended with an error event (a
   worker killed under it after tokens had reached the client: nothing else can be done);
 - no request failed outright (a status other than 200) except within 10 s of a kill;
-- at the end nothing is in flight, every worker is back, and the proxy's memory and open
-  files grew by no more than ``--max-growth-mb`` and 64.
+- at the end nothing is in flight and every worker is back;
+- after warm-up (``--warmup`` seconds of load, or of a restarted worker's life), the memory
+  (RSS of its process tree) and open files of the proxy and of each worker grew by at most
+  ``--max-growth`` (5%) to the end. A worker restarted less than a warm-up before the end has
+  no baseline and is reported as such.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ from pathlib import Path
 
 import httpx
 
+from stages.errors import EldrError
 from stages.fit.artifact import ArtifactStore
 from stages.paths import EVALUATION_PROMPTS
+from stages.procs import linux
+from stages.procs.health import wait_healthy
 from stages.prompts import load_prompts
 from stages.serve.cluster.ports import free_ports
 from tests.proc_probe import api_server
@@ -76,10 +82,59 @@ def client_loop(url: str, prompts: list[str], stop: threading.Event, seed: int,
             i += 97
 
 
-def proxy_usage(pid: int) -> tuple[float, int]:
-    rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text()
-                  .splitlines() if line.startswith("VmRSS:"))
-    return rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+@dataclass(frozen=True)
+class Usage:
+    at: float  # seconds into the load
+    name: str  # "proxy" or a worker's name
+    pid: int
+    rss_mb: float  # the process and its descendants (a vLLM worker's engine core)
+    fds: int
+
+
+def usage(at: float, name: str, pid: int, tree: bool = True) -> Usage:
+    pids = [pid, *(i.pid for i in linux.descendants(pid) if not i.zombie and tree)]
+    rss_kb = fds = 0
+    for p in pids:
+        try:
+            rss_kb += next(int(line.split()[1]) for line in Path(f"/proc/{p}/status")
+                           .read_text().splitlines() if line.startswith("VmRSS:"))
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone between the listing and the read (a kill)
+    return Usage(at, name, pid, rss_kb / 1024, fds)
+
+
+def sample(at: float, serve_pid: int, ports: dict[str, int]) -> list[Usage]:
+    """The proxy (the ``eldr serve`` process alone: the workers are its descendants) and every
+    worker's API server tree, by port."""
+    out = [usage(at, "proxy", serve_pid, tree=False)]
+    for name, port in ports.items():
+        try:
+            out.append(usage(at, name, api_server(serve_pid, port)))
+        except AssertionError:
+            pass  # restarting after a kill: no API server on its port this moment
+    return out
+
+
+def growth(samples: list[Usage], warmup_s: float) -> dict[str, dict[str, object]]:
+    """Per process: the first sample at least ``warmup_s`` into the load and into the life
+    of the process that runs at the end, against the last sample."""
+    out: dict[str, dict[str, object]] = {}
+    for name in dict.fromkeys(u.name for u in samples):
+        mine = [u for u in samples if u.name == name]
+        last = mine[-1]
+        born = min(u.at for u in mine if u.pid == last.pid)
+        after = [u for u in mine if u.pid == last.pid and u.at >= max(warmup_s, born + warmup_s)]
+        if not after or after[0] is last:
+            out[name] = {"pid": last.pid, "note": f"restarted at {born:.0f} s: no baseline"}
+            continue
+        base = after[0]
+        out[name] = {"pid": last.pid, "from_s": round(base.at),
+                     "rss_mb": f"{base.rss_mb:.0f} -> {last.rss_mb:.0f}",
+                     "fds": f"{base.fds} -> {last.fds}",
+                     "rss_growth": last.rss_mb / base.rss_mb - 1,
+                     "fds_growth": last.fds / base.fds - 1}
+    return out
 
 
 def main() -> int:
@@ -87,7 +142,9 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--kill-every", type=float, default=300.0, help="seconds")
     parser.add_argument("--clients", type=int, default=11, help="70%% of 2 x 8 batch slots")
-    parser.add_argument("--max-growth-mb", type=float, default=200.0)
+    parser.add_argument("--warmup", type=float, default=120.0, help="seconds")
+    parser.add_argument("--max-growth", type=float, default=0.05, help="fraction")
+    parser.add_argument("--sample-every", type=float, default=30.0, help="seconds")
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="eldr-soak-"))
@@ -104,24 +161,22 @@ def main() -> int:
          str(port), "--worker-port", str(worker_port)],
         env=env, stdout=(home / "serve.log").open("wb"), stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if serve.poll() is not None or time.monotonic() > deadline:
-                print((home / "serve.log").read_text()[-3000:])
-                return 1
-            time.sleep(2)
+        try:
+            wait_healthy(url, 900, serve.poll, interval_s=2)
+        except EldrError as e:
+            print(f"{e}\n{(home / 'serve.log').read_text()[-3000:]}")
+            return 1
+        state = httpx.get(f"{url}/admin/state", timeout=10).json()
+        ports = {f"{role}-{w['index']}": int(w["url"].rsplit(":", 1)[1])
+                 for role in ("prefill", "decode") for w in state[f"{role}_workers"]}
         prompts = [p.prompt for p in load_prompts(EVALUATION_PROMPTS)]
         outcomes: list[Outcome] = []
         stop = threading.Event()
         threads = [threading.Thread(target=client_loop, args=(url, prompts, stop, c, outcomes))
                    for c in range(args.clients)]
-        start_usage = proxy_usage(serve.pid)
         t0 = time.monotonic()
+        samples = sample(0.0, serve.pid, ports)
+        next_sample = args.sample_every
         for t in threads:
             t.start()
         duration = args.minutes * 60
@@ -129,6 +184,9 @@ def main() -> int:
         next_kill, victim = args.kill_every, 0
         switched: set[str] = set()
         while (now := time.monotonic() - t0) < duration:
+            if now >= next_sample:
+                samples += sample(now, serve.pid, ports)
+                next_sample += args.sample_every
             if now >= next_kill:
                 pid = api_server(serve.pid, worker_port + 1 + victim)
                 os.kill(pid, signal.SIGKILL)
@@ -150,7 +208,7 @@ def main() -> int:
         stop.set()
         for t in threads:
             t.join(timeout=300)
-        end_usage = proxy_usage(serve.pid)
+        samples += sample(time.monotonic() - t0, serve.pid, ports)
         time.sleep(3)
         state = httpx.get(f"{url}/admin/state", timeout=10).json()
     finally:
@@ -172,19 +230,26 @@ def main() -> int:
         "failed otherwise": len(unexplained),
         "in flight at the end": sum(w["in_flight"] for w in workers),
         "workers back": f"{sum(w['healthy'] for w in workers)} of {len(workers)}",
-        "proxy RSS MB start/end": f"{start_usage[0]:.0f}/{end_usage[0]:.0f}",
-        "proxy open files start/end": f"{start_usage[1]}/{end_usage[1]}",
     }
+    grown = growth(samples, args.warmup)
     for at, what in events:
         print(f"  {at:7.0f} s  {what}")
     for key, value in checks.items():
         print(f"{key:>40}: {value}")
+    print(f"after {args.warmup:.0f} s of warm-up, to the end (RSS of the process tree, files):")
+    for name, g in grown.items():
+        if "note" in g:
+            print(f"{name:>12} (pid {g['pid']}): {g['note']}")
+        else:
+            print(f"{name:>12} (pid {g['pid']}, from {g['from_s']} s): RSS MB {g['rss_mb']}"
+                  f" ({g['rss_growth']:+.1%}), open files {g['fds']} ({g['fds_growth']:+.1%})")
+    flat = all(g.get("rss_growth", 0) <= args.max_growth and g.get("fds_growth", 0)
+               <= args.max_growth for g in grown.values())
     ok = (not unexplained and checks["in flight at the end"] == 0
-          and all(w["healthy"] for w in workers)
-          and end_usage[0] - start_usage[0] <= args.max_growth_mb
-          and end_usage[1] - start_usage[1] <= 64)
+          and all(w["healthy"] for w in workers) and flat and "note" not in grown["proxy"])
     (home / "soak.json").write_text(json.dumps(
-        {"checks": checks, "events": events, "ok": ok,
+        {"checks": checks, "events": events, "ok": ok, "growth": grown,
+         "samples": [asdict(u) for u in samples],
          "outcomes": [asdict(o) for o in outcomes[:20000]]}, indent=1))
     print(f"soak {'passed' if ok else 'FAILED'}; details in {home / 'soak.json'}")
     return 0 if ok else 1

@@ -21,6 +21,7 @@ import httpx
 from stages.capture.nixl_progress import ENV as NIXL_PROGRESS_ENV
 from stages.errors import EldrError
 from stages.procs import keeper
+from stages.procs.health import healthy
 
 SIGNATURE_CONNECTOR = "EldrSignatureConnector"
 
@@ -206,10 +207,7 @@ class VllmServer:
                 f"vLLM server on port {self.spec.port} exited with code {self.proc.returncode};"
                 f" last lines of {self.log_path}:\n{tail(self.log_path)}"
             )
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return healthy(self.url)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,15 +1,17 @@
 """What the real-vLLM tests look at from outside: processes eldr started, their sockets, and
-when `eldr serve` is ready."""
+when `eldr serve` is ready; ``running_serve`` starts one and makes sure all of it is gone."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ import httpx
 import pytest
 
 from stages.procs import linux
+from stages.procs.health import healthy
+from stages.serve.cluster.ports import free_ports
 
 _LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
 _UNCONNECTED = "07"  # UDP sockets bound but not connected
@@ -126,11 +130,8 @@ def wait_healthy(
             pytest.fail(f"eldr serve exited with {proc.returncode}:\n{output()[-4000:]}")
         if on_poll is not None:
             on_poll()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if healthy(url):
+            return
         time.sleep(1)
     pytest.fail(f"eldr serve did not become healthy in {timeout_s:.0f} s:\n{output()[-4000:]}")
 
@@ -156,3 +157,55 @@ def api_server(root: int, port: int) -> int:
                 and f"--port {port} " in text:
             return pid
     raise AssertionError(f"no vLLM API server for port {port} below process {root}")
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    url: str
+    worker_port: int
+    log: Path
+    started: set[int] = field(default_factory=set)  # every process seen below eldr serve
+
+    def seen(self) -> set[int]:
+        self.started |= tree(self.proc.pid)
+        return self.started
+
+    def state(self) -> dict[str, object]:
+        return httpx.get(f"{self.url}/admin/state", timeout=10).json()  # type: ignore[no-any-return]
+
+    def health(self) -> dict[str, object]:
+        """The proxy's /health; empty while it does not answer in time (a loaded machine)."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).json()  # type: ignore[no-any-return]
+        except httpx.HTTPError:
+            return {}
+
+    def api_server(self, port: int) -> int:
+        return api_server(self.proc.pid, port)
+
+    def decode_api_server(self, index: int) -> int:
+        return self.api_server(self.worker_port + 1 + index)  # the prefill worker is first
+
+
+@contextmanager
+def running_serve(args: list[str], home: Path, timeout_s: float = 500) -> Iterator[Served]:
+    """``eldr serve ARGS`` on free ports with ELDR_HOME=``home``, healthy; on exit SIGTERM,
+    and every process it started gone."""
+    port, worker_port = free_ports(2)
+    proc = start_serve([*args, "--port", str(port), "--worker-port", str(worker_port)], home,
+                       {**os.environ, "ELDR_HOME": str(home)})
+    served = Served(proc, f"http://127.0.0.1:{port}", worker_port, serve_log(home))
+    try:
+        wait_healthy(proc, served.url, timeout_s, served.log.read_text, on_poll=served.seen)
+        yield served
+    finally:
+        served.seen()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        wait_gone(served.started, 30)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -107,35 +108,34 @@ def _damage(root: Path, data: st.DataObject) -> None:
         victim.write_bytes(b"")
 
 
-@FILES
-@given(data=st.data())
-def test_a_damaged_dataset_is_read_or_refused_clearly(
-    stored: tuple[Path, Path], tmp_path: Path, data: st.DataObject
-) -> None:
+def _read_dataset(path: Path) -> None:
     from stages.signature.dataset import SignatureDataset
 
-    copy = Path(tempfile.mkdtemp(dir=tmp_path)) / "sig.zarr"
-    shutil.copytree(stored[0], copy)
-    _damage(copy, data)
-    try:
-        arrays = SignatureDataset.open(copy).read()
-    except EldrError:
-        return
+    arrays = SignatureDataset.open(path).read()
     assert arrays.prefill_counts.ndim == 3 and len(arrays) <= 40
 
 
-@FILES
-@given(data=st.data())
-def test_a_damaged_artifact_is_loaded_or_refused_clearly(
-    stored: tuple[Path, Path], tmp_path: Path, data: st.DataObject
-) -> None:
+def _load_artifact(path: Path) -> None:
     from stages.fit.artifact import ArtifactStore
 
-    copy = Path(tempfile.mkdtemp(dir=tmp_path)) / "artifacts"
-    shutil.copytree(stored[1], copy)
+    artifact = ArtifactStore(path).load()
+    assert np.isfinite(artifact.centroids).all() and artifact.centroids.shape[0] == 2
+
+
+@pytest.mark.parametrize(("which", "read"), [(0, _read_dataset), (1, _load_artifact)],
+                         ids=["dataset", "artifact"])
+@FILES
+@given(data=st.data())
+def test_a_damaged_store_is_read_or_refused_clearly(
+    stored: tuple[Path, Path], tmp_path: Path, which: int, read: Callable[[Path], None],
+    data: st.DataObject,
+) -> None:
+    """A file of the dataset or of the artifact store truncated, replaced, flipped or
+    emptied: it reads as something valid, or raises eldr's clear error."""
+    copy = Path(tempfile.mkdtemp(dir=tmp_path)) / stored[which].name
+    shutil.copytree(stored[which], copy)
     _damage(copy, data)
     try:
-        artifact = ArtifactStore(copy).load()
+        read(copy)
     except EldrError:
         return
-    assert np.isfinite(artifact.centroids).all() and artifact.centroids.shape[0] == 2

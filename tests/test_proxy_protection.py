@@ -215,6 +215,7 @@ def test_sigterm_drains_the_proxy_before_it_stops(drain_s: float) -> None:
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
+    from stages.procs.health import wait_healthy
     from tests.conftest import free_port
 
     behaviors = [FakeBehavior("p0"), FakeBehavior("d0", tokens=10, token_delay_s=0.3)]
@@ -225,15 +226,7 @@ def test_sigterm_drains_the_proxy_before_it_stops(drain_s: float) -> None:
     proc = _proxy_process(config, port, drain_s)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.1)
+        wait_healthy(url, 30, proc.poll, interval_s=0.1)
         with httpx.Client(base_url=url, timeout=20) as client, ThreadPoolExecutor(1) as pool:
             stream = pool.submit(client.post, "/v1/completions",
                                  json={"prompt": "s", "max_tokens": 10, "stream": True})

@@ -25,28 +25,25 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import free_port, home_with, requires_vllm
+from tests.conftest import home_with, requires_vllm
 from tests.proc_probe import (
-    api_server,
+    Served,
     command,
     eldr_ok,
     listeners,
-    serve_log,
-    start_serve,
+    running_serve,
     tree,
     wait_gone,
-    wait_healthy,
 )
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
@@ -62,61 +59,15 @@ LOAD_VICTIM = 1  # the decode worker killed under load, once per policy
 IDLE_VICTIM = 0  # the decode worker killed with no traffic, once
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen[bytes]
-    url: str
-    worker_port: int
-    log: Path
-    started: set[int] = field(default_factory=set)  # every process seen below eldr serve
-
-    def seen(self) -> set[int]:
-        self.started |= tree(self.proc.pid)
-        return self.started
-
-    def state(self) -> dict[str, object]:
-        return httpx.get(f"{self.url}/admin/state", timeout=10).json()  # type: ignore[no-any-return]
-
-    def health(self) -> dict[str, object]:
-        """The proxy's /health; empty while it does not answer in time (a loaded machine)."""
-        try:
-            return httpx.get(f"{self.url}/health", timeout=5).json()  # type: ignore[no-any-return]
-        except httpx.HTTPError:
-            return {}
-
-    def api_server(self, port: int) -> int:
-        return api_server(self.proc.pid, port)
-
-    def decode_api_server(self, index: int) -> int:
-        return self.api_server(self.worker_port + 1 + index)  # the prefill worker is first
-
-
 @pytest.fixture(scope="module")
 def served(calibration: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     home = home_with(calibration, tmp_path_factory.mktemp("faults"))
     eldr_ok("fit", "--k", str(DECODE), "--balanced", "--no-plot", home=home)
-    port, worker_port = free_port(), free_port()
-    log = serve_log(home)
-    proc = start_serve(
+    with running_serve(
         ["--model", "tiny", "--policy", "eldr", "--prefill", "1", "--decode", str(DECODE),
-         "--port", str(port), "--worker-port", str(worker_port), "--log-level", "info",
-         "--enforce-eager"],
-        home, {**os.environ, "ELDR_HOME": str(home)},
-    )
-    served = Served(proc, f"http://127.0.0.1:{port}", worker_port, log)
-    try:
-        wait_healthy(proc, served.url, 500, log.read_text, on_poll=served.seen)
+         "--log-level", "info", "--enforce-eager"], home,
+    ) as served:
         yield served
-    finally:
-        served.seen()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        wait_gone(served.started, 30)
 
 
 def _complete(url: str, prompt: str) -> httpx.Response:
