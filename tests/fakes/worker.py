@@ -89,6 +89,8 @@ class FakeBehavior:
     # Raw 200 body for eldr's self-check prompt instead of a completion with ``signature``.
     self_check_reply: bytes | None = None
     received: list[Received] = field(default_factory=list)
+    record: bool = True  # False: keep nothing (a capacity bench's millions of requests)
+    handed_off: int = 0  # prefill hand-offs so far (distinct block ids without ``received``)
 
     def reset(self) -> None:
         self.tokens, self.token_delay_s, self.delay_s = 4, 0.0, 0.0
@@ -129,7 +131,7 @@ def _kv_transfer_params(behavior: FakeBehavior, body: dict[str, Any]) -> dict[st
         "do_remote_prefill": True,
         "do_remote_decode": False,
         # Unique per hand-off, so tests can tell a fresh prefill's blocks from a reused one.
-        "remote_block_ids": [len(behavior.received), 1, 2],
+        "remote_block_ids": [behavior.handed_off, 1, 2],
         "remote_engine_id": f"engine-{behavior.name}",
         "remote_host": "127.0.0.1",
         "remote_port": 5600,
@@ -157,7 +159,8 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
         chat = request.url.path.endswith("/chat/completions")
         body = orjson.loads(await request.body())
         rec = Received(request.url.path, dict(request.headers), body)
-        behavior.received.append(rec)
+        if behavior.record:
+            behavior.received.append(rec)
         if behavior.sick_after_request:
             behavior.healthy = False
         if behavior.delay_s:
@@ -169,6 +172,7 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
         if prompt_text(body) == PROBE_PROMPT:
             return _self_check_answer(behavior, body)
         if rec.is_prefill:
+            behavior.handed_off += 1
             data = _completion(behavior, body, chat, 1)
             data["kv_transfer_params"] = _kv_transfer_params(behavior, body)
             return Response(orjson.dumps(data), media_type="application/json", headers=headers)

@@ -1,0 +1,309 @@
+"""Router capacity: eldr's proxy against vllm-router (the Rust router, PD mode) on the same fake
+vLLM workers, in the same run.
+
+Processes: fake prefill workers and fake decode workers (``tests.fakes.worker``: a prefill
+answers with ``kv_transfer_params`` carrying a signature, a decode answers JSON or streams SSE
+as vLLM does), each router under test started as users start it (``eldr serve --attach-*``,
+``vllm-router --vllm-pd-disaggregation``), and a load generator in its own process. "direct"
+sends the same requests to a decode worker itself: what no router at all costs.
+
+Workloads, each at every ``--concurrency`` (closed loop: each client sends its next request
+when the last one ended):
+  plain   not streaming, ``--tokens`` tokens in one JSON answer
+  burst   streaming ``--tokens`` tokens with no delay (chunks coalesce into large reads)
+  paced   streaming one token every ``--pace-ms`` (25 ms: a decode step): nothing coalesces
+and ``plain`` at concurrency 1 for the latency a router adds.
+
+Per point: requests/s, relayed SSE chunks/s, latency p50/p99 (whole response; for streams, the
+whole stream), the router's CPU (cores, and ms per request). The fakes, the routers and the
+load generator share this machine's cores, so a router's figures are also bounded by what the
+others leave it: compare routers within one run, and read the CPU columns.
+
+    python -m examples.bench_proxy                       # from the repo root; about 15 min
+    python -m examples.bench_proxy --seconds 10 --concurrency 64 --workloads plain paced
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from stages.procs import linux
+from stages.procs.health import wait_healthy
+from stages.serve.cluster.ports import free_ports
+
+try:
+    from tests.fakes.worker import FakeBehavior, create_fake_worker
+except ModuleNotFoundError as exc:
+    if exc.name != "tests":
+        raise
+    raise SystemExit(f"{exc}: run from the repo root as `python -m examples.bench_proxy`") from exc
+
+ROUTERS = ("direct", "eldr-union", "rr", "vllm-router")
+WORKLOADS = ("plain", "burst", "paced")
+
+
+@dataclass(frozen=True)
+class Point:
+    router: str
+    workload: str
+    concurrency: int
+    seconds: float
+    requests: int
+    failed: int
+    chunks: int
+    latency_p50_ms: float
+    latency_p99_ms: float
+    router_cpu_s: float
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.seconds
+
+    @property
+    def cores(self) -> float:
+        return self.router_cpu_s / self.seconds
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000 * self.router_cpu_s / max(1, self.requests)
+
+
+# -- fake workers -------------------------------------------------------------------------
+
+def serve_fakes(ports: list[int], tokens: int, pace_s: float) -> None:
+    """One process, one fake vLLM server on every port (prefill or decode by the request)."""
+    import uvicorn
+
+    app = create_fake_worker(FakeBehavior("bench", tokens=tokens, token_delay_s=pace_s,
+                                          record=False))
+    socks = []
+    for port in ports:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        socks.append(s)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=socks)
+
+
+# -- routers ------------------------------------------------------------------------------
+
+def start_router(name: str, port: int, prefill: list[str], decode: list[str],
+                 home: Path) -> subprocess.Popen[bytes] | None:
+    if name == "direct":
+        return None
+    if name == "vllm-router":
+        exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        argv = [exe, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "warning", "--prefill-policy", "round_robin",
+                "--decode-policy", "round_robin"]
+        for url in prefill:
+            argv += ["--prefill", url]
+        for url in decode:
+            argv += ["--decode", url]
+    else:
+        argv = [sys.executable, "-m", "eldr_cli", "serve", "--policy", name, "--port",
+                str(port), "--log-level", "warning"]
+        for url in prefill:
+            argv += ["--attach-prefill", url]
+        for url in decode:
+            argv += ["--attach-decode", url]
+    log = (home / f"{name}.log").open("wb")
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "ELDR_HOME": str(home)}, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU of ``root`` and every process below it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in [root, *(i.pid for i in linux.descendants(root))]:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+# -- load generator -----------------------------------------------------------------------
+
+def generate(url: str, workload: str, concurrency: int, seconds: float, tokens: int,
+             out: mp.Queue) -> None:
+    """Closed-loop clients for ``seconds``; puts (requests, failed, chunks, latencies)."""
+    import uvloop
+
+    out.put(uvloop.run(_generate(url, workload, concurrency, seconds, tokens)))
+
+
+async def _generate(url: str, workload: str, concurrency: int, seconds: float,
+                    tokens: int) -> tuple[int, int, int, list[float]]:
+    import aiohttp
+
+    stream = workload != "plain"
+    bodies = [json.dumps({"model": "fake-model", "prompt": f"domain={d} benchmark prompt",
+                          "max_tokens": tokens, "stream": stream}).encode() for d in range(16)]
+    latencies: list[float] = []
+    counts = [0, 0]  # failed, chunks
+    stop_at = time.monotonic() + seconds
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=600)
+
+    async def client(i: int) -> None:
+        while time.monotonic() < stop_at:
+            t0 = time.perf_counter()
+            try:
+                async with session.post(url, data=bodies[i % 16],
+                                        headers={"content-type": "application/json"}) as r:
+                    if stream:
+                        tail = b""
+                        async for piece in r.content.iter_any():
+                            seen = tail + piece
+                            counts[1] += seen.count(b"data: ") - tail.count(b"data: ")
+                            tail = seen[-5:]
+                    else:
+                        await r.read()
+                        counts[1] += 1
+                    ok = r.status == 200
+            except aiohttp.ClientError:
+                ok = False
+            if ok:
+                latencies.append(time.perf_counter() - t0)
+            else:
+                counts[0] += 1
+            i += 1
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return len(latencies), counts[0], counts[1], latencies
+
+
+def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workload: str,
+            concurrency: int, seconds: float, tokens: int) -> Point:
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    gen = ctx.Process(target=generate, args=(url, workload, concurrency, seconds, tokens,
+                                             queue))
+    cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+    t0 = time.monotonic()
+    gen.start()
+    requests, failed, chunks, latencies = queue.get(timeout=seconds + 900)
+    wall = time.monotonic() - t0
+    gen.join()
+    cpu = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
+    lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
+    # The generator's start-up (a fresh interpreter) is in ``wall`` but sends nothing; the
+    # requests' window is ``seconds`` plus the tail of the last ones.
+    window = min(wall, seconds + float(np.nanmax(lat)) / 1000)
+    return Point(router, workload, concurrency, window, requests, failed, chunks,
+                 float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), cpu)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256, 1024])
+    parser.add_argument("--seconds", type=float, default=15.0, help="per point")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--pace-ms", type=float, default=25.0)
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("bench_proxy.json"))
+    args = parser.parse_args()
+    if "vllm-router" in args.routers and not (
+            shutil.which("vllm-router") or (Path(sys.executable).parent / "vllm-router").exists()):
+        raise SystemExit("vllm-router is not installed: pip install vllm-router, or leave it"
+                         " out with --routers direct eldr-union rr")
+
+    home = Path(tempfile.mkdtemp(prefix="eldr-bench-proxy-"))
+    ctx = mp.get_context("spawn")
+    points: list[Point] = []
+    plan = [("plain", 1)] + [(w, c) for w in args.workloads for c in args.concurrency]
+    for paced in sorted({w == "paced" for w, _ in plan}):
+        # Paced and unpaced streams need differently behaving fakes: one set each.
+        ports = free_ports(args.prefill + args.decode + 1)
+        prefill = [f"http://127.0.0.1:{p}" for p in ports[:args.prefill]]
+        decode = [f"http://127.0.0.1:{p}" for p in ports[args.prefill:-1]]
+        fakes = [ctx.Process(target=serve_fakes, daemon=True,
+                             args=(ports[:args.prefill], args.tokens, 0.0)),
+                 ctx.Process(target=serve_fakes, daemon=True,
+                             args=(ports[args.prefill:-1], args.tokens,
+                                   args.pace_ms / 1000 if paced else 0.0))]
+        for f in fakes:
+            f.start()
+        try:
+            for url in prefill + decode:
+                wait_healthy(url, 60, lambda: None, interval_s=0.1)
+            for router in args.routers:
+                port = ports[-1]
+                proc = start_router(router, port, prefill, decode, home)
+                url = decode[0] if proc is None else f"http://127.0.0.1:{port}"
+                try:
+                    if proc is not None:
+                        wait_healthy(url, 120, proc.poll, interval_s=0.2)
+                    for workload, concurrency in plan:
+                        if (workload == "paced") != paced:
+                            continue
+                        point = measure(router, proc, url + "/v1/completions", workload,
+                                        concurrency, args.seconds, args.tokens)
+                        points.append(point)
+                        print(_row(point), flush=True)
+                finally:
+                    stop(proc)
+        finally:
+            for f in fakes:
+                f.kill()
+    args.out.write_text(json.dumps([{**asdict(p), "rps": p.rps, "chunks_per_s": p.chunks_per_s,
+                                     "cores": p.cores,
+                                     "cpu_ms_per_request": p.cpu_ms_per_request}
+                                    for p in points], indent=1))
+    print(f"\n{_header()}")
+    for p in sorted(points, key=lambda p: (p.workload, p.concurrency, ROUTERS.index(p.router))):
+        print(_row(p))
+    print(f"written {args.out}; router logs in {home}")
+    return 0
+
+
+def _header() -> str:
+    return (f"{'workload':>8} {'conc':>5} {'router':>12} {'req/s':>8} {'chunks/s':>9} "
+            f"{'p50 ms':>8} {'p99 ms':>8} {'failed':>6} {'cores':>6} {'ms CPU/req':>10}")
+
+
+def _row(p: Point) -> str:
+    return (f"{p.workload:>8} {p.concurrency:>5} {p.router:>12} {p.rps:>8.0f} "
+            f"{p.chunks_per_s:>9.0f} {p.latency_p50_ms:>8.2f} {p.latency_p99_ms:>8.1f} "
+            f"{p.failed:>6} {p.cores:>6.2f} {p.cpu_ms_per_request:>10.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
