@@ -46,8 +46,16 @@ def serve(
         help="URL of a running prefill worker (repeat); starts no workers.")] = None,
     attach_decode: Annotated[list[str] | None, typer.Option(
         help="URL of a running decode worker (repeat); starts no workers.")] = None,
+    proxy_workers: Annotated[int, typer.Option(
+        help="Proxy processes on --port (the kernel spreads connections over them): one relays"
+        " about one core's worth of requests and tokens. Admin changes reach all of them and"
+        " /metrics shows all of them (label proxy).", min=1)] = 1,
+    peer: Annotated[list[str] | None, typer.Option(
+        help="Another proxy in front of the same workers (repeat; a URL that reaches that one"
+        " process): admin changes made here reach it, and /metrics here includes it.",
+        show_default=False)] = None,
     online_refit: Annotated[bool, typer.Option(help="Refit centroids on recent signatures"
-                                               " every few seconds.")] = False,
+                                               " every few seconds (one proxy only).")] = False,
     worker_cores: Annotated[str | None, typer.Option(
         help="CPU cores per started worker, '|'-separated, prefill workers first, e.g."
         " '0|0|1' (a light --prefill-model sharing core 0 with a decode worker). Default: prefill"
@@ -112,6 +120,7 @@ def serve(
         policy_config=policy_config(policy_options), artifact=artifact, store=store, host=host,
         port=port, worker_port=worker_port, nixl_port=nixl_port,
         attach_prefill=tuple(attach_prefill or ()), attach_decode=tuple(attach_decode or ()),
+        proxy_workers=proxy_workers, peers=tuple(peer or ()),
         online_refit=online_refit, worker_cores=worker_cores, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, max_queued=max_queued, enforce_eager=enforce_eager,
         prefill_tp=prefill_tp, decode_tp=decode_tp, served_model_name=served_model_name,

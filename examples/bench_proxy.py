@@ -21,6 +21,10 @@ others leave it: compare routers within one run, and read the CPU columns.
 
     python -m examples.bench_proxy                       # from the repo root; about 15 min
     python -m examples.bench_proxy --seconds 10 --concurrency 64 --workloads plain paced
+    python -m examples.bench_proxy --routers eldr-union --profile prof/   # where its CPU goes
+
+``--profile DIR`` samples each eldr router with py-spy (``pip install py-spy``) during every
+point: a flame graph per point in DIR, and the functions with the most CPU printed.
 """
 
 from __future__ import annotations
@@ -111,9 +115,8 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
     if name == "direct":
         return None
     if name == "vllm-router":
-        exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
-        argv = [exe, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
-                "--log-level", "warning", "--prefill-policy", "round_robin",
+        argv = [_tool("vllm-router"), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "warning", "--prefill-policy", "round_robin",
                 "--decode-policy", "round_robin"]
         for url in prefill:
             argv += ["--prefill", url]
@@ -207,6 +210,46 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
     return len(latencies), counts[0], counts[1], latencies
 
 
+def start_profile(proc: subprocess.Popen[bytes] | None, router: str, out: Path | None,
+                  name: str, seconds: float) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling an eldr router (and its children) for one point; None when not asked."""
+    if out is None or proc is None or router in ("direct", "vllm-router"):
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    argv = [_tool("py-spy"), "record", "--pid", str(proc.pid), "--subprocesses", "--nonblocking",
+            "--rate", "200", "--duration", str(max(1, int(seconds))), "--format", "raw",
+            "-o", str(out / f"{name}.txt")]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def top_functions(collapsed: Path, n: int = 15) -> str:
+    """The functions with the most samples in a py-spy raw (collapsed stacks) file: self and
+    inclusive share of the samples."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        k = int(count)
+        total += k
+        frames = [f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].split(":")[0].rstrip(")")
+                  for f in stack.split(";")]
+        own[frames[-1]] = own.get(frames[-1], 0) + k
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + k
+    if not total:
+        return "  (no samples)"
+    rows = sorted(own.items(), key=lambda kv: -kv[1])[:n]
+    return "\n".join(f"  self {100 * k / total:5.1f}%  incl {100 * inclusive[f] / total:5.1f}%"
+                     f"  {f}" for f, k in rows)
+
+
+def _tool(name: str) -> str:
+    return shutil.which(name) or str(Path(sys.executable).parent / name)
+
+
 def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workload: str,
             concurrency: int, seconds: float, tokens: int) -> Point:
     ctx = mp.get_context("spawn")
@@ -239,7 +282,11 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench_proxy.json"))
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="sample eldr's routers with py-spy during every point")
     args = parser.parse_args()
+    if args.profile is not None and not Path(_tool("py-spy")).exists():
+        raise SystemExit("--profile needs py-spy: pip install py-spy")
     if "vllm-router" in args.routers and not (
             shutil.which("vllm-router") or (Path(sys.executable).parent / "vllm-router").exists()):
         raise SystemExit("vllm-router is not installed: pip install vllm-router, or leave it"
@@ -274,10 +321,15 @@ def main() -> int:
                     for workload, concurrency in plan:
                         if (workload == "paced") != paced:
                             continue
+                        name = f"{router}-{workload}-{concurrency}"
+                        spy = start_profile(proc, router, args.profile, name, args.seconds)
                         point = measure(router, proc, url + "/v1/completions", workload,
                                         concurrency, args.seconds, args.tokens)
                         points.append(point)
                         print(_row(point), flush=True)
+                        if spy is not None:
+                            spy.wait()
+                            print(top_functions(args.profile / f"{name}.txt"), flush=True)
                 finally:
                     stop(proc)
         finally:

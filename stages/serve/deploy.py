@@ -17,7 +17,6 @@ from stages.errors import EldrError
 from stages.models import ResolvedModel
 from stages.routing.policies import needs_centroids
 from stages.routing.policy_config import PolicyConfig
-from stages.serve import proxy
 from stages.serve.cluster import launcher
 from stages.serve.proxy.config import ProxyConfig
 
@@ -42,6 +41,8 @@ class ServeOptions:
     nixl_port: int | None = None
     attach_prefill: tuple[str, ...] = ()
     attach_decode: tuple[str, ...] = ()
+    proxy_workers: int = 1  # proxy processes on --port
+    peers: tuple[str, ...] = ()  # --peer: other proxies in front of the same workers
     online_refit: bool = False
     worker_cores: str | None = None  # '|'-separated, prefill workers first
     max_num_seqs: int = 8
@@ -78,6 +79,12 @@ class ServeOptions:
             raise EldrError(f"--log-level {self.log_level!r}: use debug, info, warning or error")
         if self.skip_self_check:
             check_unchecked_policy(self.policy)
+        if self.proxy_workers < 1:
+            raise EldrError(f"--proxy-workers must be >= 1, got {self.proxy_workers}")
+        if self.online_refit and (self.proxy_workers > 1 or self.peers):
+            raise EldrError("--online-refit runs in one proxy: each of several would refit its"
+                            " own centroids on its share of the traffic; drop --proxy-workers"
+                            " and --peer, or --online-refit")
         for name, key in (("--api-key", self.api_key), ("--admin-api-key", self.admin_api_key),
                           ("--worker-api-key", self.worker_api_key)):
             check_key(name, key)
@@ -156,7 +163,7 @@ def plan(options: ServeOptions) -> ServePlan:
         # Checked in ``run`` before the proxy opens; the proxy checks each worker that rejoins.
         self_check=None if o.skip_self_check else model.identity,
         checked_at_start=not o.skip_self_check, skip_self_check=o.skip_self_check,
-        host=o.host,
+        host=o.host, peers=o.peers,
     )
     check_free("--port", [o.port], o.host)
     return ServePlan(o, model, prefill_model, cluster, config, warning)
@@ -184,6 +191,7 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
     """Start the workers, check each records signatures, supervise them and serve the proxy
     until SIGINT or SIGTERM; then stop everything started, whatever happened."""
     from stages.serve.cluster.supervisor import Supervisor
+    from stages.serve.proxy.group import serve_group
     from stages.serve.proxy.metrics import no_restarts
     from stages.serve.proxy.self_check import check_records_signatures
 
@@ -204,13 +212,15 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
         if cluster is not None:
             supervisor = Supervisor(cluster)
             supervisor.start()
-        echo(f"proxy on http://{o.host}:{o.port} (policy {o.policy}); Ctrl-C stops everything")
-        # The proxy drains on SIGINT/SIGTERM (503 to new requests while those in flight
-        # finish), then re-raises the signal; our handler turns that into KeyboardInterrupt so
+        processes = f", {o.proxy_workers} processes" if o.proxy_workers > 1 else ""
+        echo(f"proxy on http://{o.host}:{o.port} (policy {o.policy}{processes}); Ctrl-C stops"
+             " everything")
+        # The proxies drain on SIGINT/SIGTERM (503 to new requests while those in flight
+        # finish), then re-raise the signal; our handler turns that into KeyboardInterrupt so
         # the workers below are stopped only after the drain.
-        proxy.run_proxy(config, host=o.host, port=o.port, log_level=o.log_level.lower(),
-                        restarts=supervisor.restarts if supervisor is not None else no_restarts,
-                        drain_timeout_s=o.drain_timeout)
+        serve_group(config, o.host, o.port, o.proxy_workers, log_level=o.log_level.lower(),
+                    restarts=supervisor.restarts if supervisor is not None else no_restarts,
+                    drain_timeout_s=o.drain_timeout)
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -22,6 +22,7 @@ from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
 from stages.serve.proxy.admin_cost import client_cost
 from stages.serve.proxy.config import check_unchecked_policy
+from stages.serve.proxy.peers import tell_peers
 from stages.serve.proxy.request_body import bad_request, read_json_body
 from stages.serve.proxy.responses import ProxyError, json_error, json_response
 from stages.serve.proxy.state import ProxyState
@@ -68,8 +69,10 @@ async def drain_worker(request: Request) -> Response:
                               " it would fail every request", "conflict", param="name")
         pool.set_draining(index, draining)
         view = pool.views()[index]
+        peers = await tell_peers(state, request, None)
         return json_response({"worker": name, "draining": view.draining,
-                              "in_flight": view.in_flight, "healthy": view.healthy})
+                              "in_flight": view.in_flight, "healthy": view.healthy,
+                              **_peer_answers(state, peers)})
     names = [p.name(i) for p in (state.prefill, state.decode) for i in range(len(p))]
     return json_error(404, f"no worker {name!r}; workers: {', '.join(names)}", "not_found",
                       param="name")
@@ -80,6 +83,8 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
     clusters = router.clusters_of_worker(state.decode.eligible())
     refitter = router.refitter
     return {
+        "proxy": state.config.proxy_id,
+        "peers": list(state.config.peers),
         "policy": router.policy_name,
         "config": asdict(router.policy.params),
         "policy_seed": router.policy_seed,  # its random ties and draws
@@ -159,7 +164,10 @@ async def set_policy(request: Request) -> Response:
     except EldrError as exc:  # e.g. eldr without an artifact: refused before any change
         return json_error(400, str(exc), "bad_request")
     log.info("policy set to %s %s", state.router.policy_name, asdict(state.router.policy.params))
-    return json_response(snapshot(state))
+    # The body as the client sent it: an inline cost model stays inline for a peer on another
+    # machine, and each peer checks it again.
+    peers = await tell_peers(state, request, body)
+    return json_response({**snapshot(state), **_peer_answers(state, peers)})
 
 
 async def _admin_body(request: Request, allowed: frozenset[str]) -> dict[str, Any]:
@@ -189,5 +197,15 @@ async def set_artifact(request: Request) -> Response:
         return exc.response()
     except (EldrError, OSError) as exc:
         return json_error(400, f"cannot load artifact: {exc}", "bad_request", param="version")
-    log.info("artifact %s loaded", state.router.artifact.version if state.router.artifact else "")
-    return json_response(snapshot(state))
+    loaded = artifact.version
+    log.info("artifact %s loaded", loaded)
+    # The version loaded, not the one asked for: "latest" may mean another by the time a
+    # peer reads the store.
+    peers = await tell_peers(state, request, {"version": loaded})
+    return json_response({**snapshot(state), **_peer_answers(state, peers)})
+
+
+def _peer_answers(state: ProxyState, answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the peers answered, for a response to an operator (nothing from a lone proxy, or
+    to a peer, which sends nothing on)."""
+    return {"peers_told": answers} if answers else {}

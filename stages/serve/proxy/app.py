@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import FrameType
 
 import uvicorn
@@ -150,9 +151,14 @@ def run_proxy(
     artifact_loader: ArtifactLoader = load_from_store,
     restarts: RestartCounts = no_restarts,
     drain_timeout_s: float = 30.0,
+    sockets: list[socket.socket] | None = None,
+    on_signal: Callable[[], None] = lambda: None,
 ) -> None:
     """Serve the proxy until interrupted (blocking; the launcher's entry point); the first
-    SIGINT or SIGTERM drains it (``DrainingServer``)."""
+    SIGINT or SIGTERM drains it (``DrainingServer``) and calls ``on_signal``.
+
+    ``sockets``: listening sockets to serve instead of binding ``host``:``port`` (one process
+    of several on one port: ``stages.serve.proxy.group``)."""
     # Routing math is one small matrix-vector product per request on the event loop; BLAS
     # helper threads would only add wake-up latency and steal cores from co-located workers.
     threadpool_limits(1, user_api="blas")
@@ -169,8 +175,8 @@ def run_proxy(
         timeout_keep_alive=30,
         # What the drain left running when its time ran out is cancelled this much later.
         timeout_graceful_shutdown=1,
-    ), app.state.proxy, drain_timeout_s)
-    server.run()
+    ), app.state.proxy, drain_timeout_s, on_signal)
+    server.run(sockets=sockets)
 
 
 class DrainingServer(uvicorn.Server):
@@ -179,13 +185,17 @@ class DrainingServer(uvicorn.Server):
     is in flight or ``drain_timeout_s`` passed; then uvicorn closes the socket and lets what is
     left finish for ``timeout_graceful_shutdown``. A second signal stops at once."""
 
-    def __init__(self, config: uvicorn.Config, state: ProxyState, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ProxyState, drain_timeout_s: float,
+                 on_signal: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
         self._state = state
         self._drain_timeout_s = drain_timeout_s
         self._drain_deadline = math.inf
+        self._on_signal = on_signal
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self._state.draining:
+            self._on_signal()
         if self._state.draining or self._drain_timeout_s <= 0:
             super().handle_exit(sig, frame)
             return

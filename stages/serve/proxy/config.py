@@ -70,6 +70,11 @@ class ProxyConfig:
     checked_at_start: bool = False
     # The address the proxy listens on: with no admin key, /admin is open on loopback only.
     host: str = "127.0.0.1"
+    # Other proxies in front of the same workers (each one process, as its base URL): admin
+    # changes made here reach them, and /metrics here includes theirs (stages.serve.proxy.peers).
+    peers: tuple[str, ...] = ()
+    # This proxy's name among its peers: the `proxy` label of the merged /metrics.
+    proxy_id: str = "0"
     # --skip-self-check: the workers may be plain vLLM, so no policy may read signatures.
     skip_self_check: bool = False
     # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and /admin/*, and
@@ -93,6 +98,7 @@ class ProxyConfig:
         # value stays hashable and immutable.
         object.__setattr__(self, "prefill_urls", tuple(u.rstrip("/") for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls", tuple(u.rstrip("/") for u in self.decode_urls))
+        object.__setattr__(self, "peers", tuple(u.rstrip("/") for u in self.peers))
         if self.artifact_store is not None:
             object.__setattr__(self, "artifact_store", Path(self.artifact_store))
         if not self.prefill_urls:
@@ -121,6 +127,11 @@ class ProxyConfig:
         ):
             if not getattr(self, name) > 0:
                 raise EldrError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.peers and self.online_refit:
+            # Each proxy would refit its own centroids from its own share of the traffic, and
+            # the proxies would then route on different clusterings.
+            raise EldrError("online refit runs in one proxy: it cannot be combined with"
+                            " several proxies (--proxy-workers, --peer)")
         if self.max_queued is not None and self.max_queued < 0:
             raise EldrError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.max_attempts < 1:

@@ -6,6 +6,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from stages.serve.proxy.peers import metrics_headers, metrics_of_all
 from stages.serve.proxy.responses import json_error, json_response
 from stages.serve.proxy.state import ProxyState
 from stages.serve.proxy.upstream import UPSTREAM_ERRORS
@@ -52,7 +53,8 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await metrics_of_all(state, request), media_type=CONTENT_TYPE_LATEST,
+                    headers=metrics_headers(state))
 
 
 async def version(request: Request) -> Response:

@@ -77,7 +77,7 @@ def request_context(
             headers[name] = value
     return RequestContext(
         state=state,
-        path=request.url.path,
+        path=request.scope["path"],  # request.url would parse the whole URL: CPU per request
         chat=chat,
         request_id=request_id,
         legs=plan_legs(body, chat, lax_json),

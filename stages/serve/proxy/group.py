@@ -1,0 +1,146 @@
+"""Several proxy processes on one port (``eldr serve --proxy-workers N``).
+
+One Python process relays about one core's worth of requests and tokens; a cluster that needs
+more gets more processes. This process binds N listening sockets on the port with
+``SO_REUSEPORT``, so the kernel spreads new connections over them, and a private loopback
+socket per process, through which the processes reach each other as peers (admin changes,
+merged ``/metrics``: ``stages.serve.proxy.peers``). Every socket is bound here, before any
+process starts, so a port in use fails at once and no connection is ever refused while a
+process starts: the kernel queues it on its socket until that process accepts.
+
+Process 0 is this one; the others are started from it, each in a session of its own (a
+Ctrl-C reaches this process only) and killed by the kernel if this one dies. The first SIGINT
+or SIGTERM here is passed to every other process: all drain together.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from dataclasses import replace
+from multiprocessing.process import BaseProcess
+
+from stages.errors import EldrError
+from stages.procs.platform_check import owns_processes
+from stages.serve.proxy.app import run_proxy
+from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.metrics import RestartCounts, no_restarts
+
+log = logging.getLogger(__name__)
+
+# How long the other processes get past the drain to stop before they are killed.
+_STOP_GRACE_S = 10.0
+
+
+def listener(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (IPv6 when ``host`` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise EldrError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_group(
+    config: ProxyConfig,
+    host: str,
+    port: int,
+    processes: int,
+    *,
+    log_level: str = "info",
+    restarts: RestartCounts = no_restarts,
+    drain_timeout_s: float = 30.0,
+) -> None:
+    """Serve ``processes`` proxies on ``host``:``port`` until interrupted (blocking)."""
+    if processes < 1:
+        raise EldrError(f"--proxy-workers must be >= 1, got {processes}")
+    if not hasattr(socket, "SO_REUSEPORT") and processes > 1:
+        raise EldrError("--proxy-workers above 1 needs SO_REUSEPORT, which this platform lacks")
+    public = [listener(host, port, reuse_port=True) for _ in range(processes)]
+    control = [listener("127.0.0.1", 0, reuse_port=False) for _ in range(processes)]
+    urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in control]
+    # Names unique across machines too, for peers named with --peer: the merged /metrics
+    # labels each proxy's series with it.
+    name = f"{socket.gethostname()}:{port}"
+    configs = [
+        replace(config, proxy_id=f"{name}/{i}", peers=(*config.peers, *urls[:i], *urls[i + 1:]))
+        for i in range(processes)
+    ]
+    ctx = mp.get_context("spawn")
+    others = _Others([
+        ctx.Process(
+            target=_serve_one, name=f"eldr-proxy-{i}", daemon=False,
+            args=(configs[i], [public[i], control[i]], log_level, drain_timeout_s),
+        )
+        for i in range(1, processes)
+    ])
+    try:
+        others.start()
+        # The supervisor's restart counts live in this process: only proxy 0 reports them.
+        run_proxy(configs[0], host=host, port=port, log_level=log_level, restarts=restarts,
+                  drain_timeout_s=drain_timeout_s, sockets=[public[0], control[0]],
+                  on_signal=others.drain)
+    finally:
+        others.stop(drain_timeout_s + _STOP_GRACE_S)
+        for sock in (*public, *control):
+            sock.close()
+
+
+def _serve_one(config: ProxyConfig, sockets: list[socket.socket], log_level: str,
+               drain_timeout_s: float) -> None:
+    os.setsid()  # a terminal's Ctrl-C goes to process 0, which passes it on once
+    if owns_processes():
+        from stages.procs.linux import die_with_parent
+
+        die_with_parent(signal.SIGKILL)
+    run_proxy(config, log_level=log_level, drain_timeout_s=drain_timeout_s, sockets=sockets)
+
+
+class _Others:
+    """The proxy processes this one started."""
+
+    def __init__(self, processes: list[BaseProcess]) -> None:
+        self.processes = processes
+        self._draining = False
+
+    def start(self) -> None:
+        for process in self.processes:
+            process.start()
+
+    def drain(self) -> None:
+        """Pass the first stop signal on, once: a second one would end their drain at once."""
+        if self._draining:
+            return
+        self._draining = True
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                try:
+                    os.kill(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+
+    def stop(self, timeout_s: float) -> None:
+        """Drain every process still running, wait for them up to ``timeout_s``, then kill what
+        is left."""
+        self.drain()
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            if process.pid is None:
+                continue
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.exitcode is None:
+                log.warning("proxy process %s did not stop in time: killed", process.name)
+                process.kill()
+                process.join()

@@ -1,0 +1,186 @@
+"""Several proxies in front of the same workers (``eldr serve --proxy-workers N``, ``--peer``):
+one port for all, admin changes that reach every one, one /metrics with all of them, a stop
+that drains all, and no process left behind when the first one is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from stages.procs import linux
+from stages.procs.health import wait_healthy
+from stages.serve.proxy import create_app
+from stages.serve.proxy.peers import merge_metrics
+from tests.conftest import free_port
+from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+from tests.test_proxy import fast_config
+
+
+@pytest.fixture
+def workers() -> Iterator[list[BackgroundServer]]:
+    servers = [BackgroundServer(create_fake_worker(FakeBehavior(n)), "critical").start()
+               for n in ("p0", "d0", "d1")]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def _group(workers: list[BackgroundServer], port: int, processes: int,
+           drain_s: float = 5.0) -> subprocess.Popen[str]:
+    config = (f"ProxyConfig(prefill_urls=({workers[0].url!r},),"
+              f" decode_urls=({workers[1].url!r}, {workers[2].url!r}), policy='jsq',"
+              " health_interval_s=0.2)")
+    code = ("from stages.serve.proxy.config import ProxyConfig\n"
+            "from stages.serve.proxy.group import serve_group\n"
+            f"serve_group({config}, '127.0.0.1', {port}, {processes}, log_level='warning',"
+            f" drain_timeout_s={drain_s})\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _alive(pid: int) -> bool:
+    info = linux.read_info(pid)
+    return info is not None and not info.zombie
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _children(pid: int, count: int) -> list[int]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        # The spawned processes, not multiprocessing's resource tracker.
+        found = [p.pid for p in linux.descendants(pid)
+                 if "multiprocessing.spawn" in _cmdline(p.pid)]
+        if len(found) >= count:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{count} proxy processes did not start")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_two_processes_share_the_port_the_admin_changes_and_the_metrics(
+        workers: list[BackgroundServer]) -> None:
+    port = free_port()
+    proc = _group(workers, port, 2)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 60, proc.poll, interval_s=0.1)
+        [child] = _children(proc.pid, 1)
+        names = set()
+        for i in range(40):  # a new connection each: the kernel spreads them over both
+            with httpx.Client(base_url=url, timeout=10) as client:
+                r = client.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 3})
+                assert r.status_code == 200, r.text
+                names.add(client.get("/admin/state").json()["proxy"])
+        assert len(names) == 2, names
+
+        with httpx.Client(base_url=url, timeout=10) as client:
+            state = client.get("/admin/state").json()
+            [peer] = state["peers"]
+            switched = client.post("/admin/policy", json={"policy": "rr"})
+            assert switched.status_code == 200, switched.text
+            assert switched.json()["peers_told"] == [{"peer": peer, "status": 200}]
+            assert httpx.get(peer + "/admin/state").json()["policy"] == "rr"
+            drained = client.post("/admin/workers/decode-1/drain").json()
+            assert drained["peers_told"][0]["status"] == 200
+            peer_decode = httpx.get(peer + "/admin/state").json()["decode_workers"]
+            assert [w["draining"] for w in peer_decode] == [False, True]
+            # A bad change is refused where it was sent and reaches no peer.
+            bad = client.post("/admin/policy", json={"policy": "no-such"})
+            assert bad.status_code == 400 and "peers_told" not in bad.json()
+            assert httpx.get(peer + "/admin/state").json()["policy"] == "rr"
+
+            metrics = client.get("/metrics").text
+        decisions = [line for line in metrics.splitlines()
+                     if line.startswith("eldr_router_decisions_total{")]
+        proxies = {line.split('proxy="')[1].split('"')[0] for line in decisions}
+        assert proxies == names  # both processes routed, each labelled by its name
+        assert metrics.count("# TYPE eldr_router_decisions_total counter") == 1
+
+        proc.send_signal(signal.SIGTERM)  # drains and stops every process
+        assert proc.wait(timeout=30) is not None
+        assert _wait_gone([child], 10)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_killed_first_process_takes_the_others_with_it(
+        workers: list[BackgroundServer]) -> None:
+    port = free_port()
+    proc = _group(workers, port, 3)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 60, proc.poll, interval_s=0.1)
+        children = _children(proc.pid, 2)
+        proc.kill()
+        proc.wait()
+        assert _wait_gone(children, 10), [p for p in children if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _children_left(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children_left(pid: int) -> list[int]:
+    return [p.pid for p in linux.descendants(pid)]
+
+
+def test_a_peer_that_cannot_be_reached_is_reported_and_the_change_still_applies(
+        workers: list[BackgroundServer]) -> None:
+    gone = f"http://127.0.0.1:{free_port()}"
+    config = fast_config([workers[0].url], [w.url for w in workers[1:]], policy="jsq",
+                         peers=(gone,))
+    with BackgroundServer(create_app(config)) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=20) as client:
+        r = client.post("/admin/policy", json={"policy": "rr"})
+        assert r.status_code == 200
+        [told] = r.json()["peers_told"]
+        assert told["peer"] == gone and "status" not in told and "Connect" in told["error"]
+        assert client.get("/admin/state").json()["policy"] == "rr"
+        # Its own series are still served, labelled.
+        assert 'proxy="0"' in client.get("/metrics").text
+
+
+def test_merged_metrics_name_each_family_once_with_every_proxys_series() -> None:
+    one = (b'# HELP x_total Things.\n# TYPE x_total counter\nx_total{worker="a"} 1.0\n'
+           b'# HELP g A gauge.\n# TYPE g gauge\ng 2.0\n')
+    two = b'# HELP x_total Things.\n# TYPE x_total counter\nx_total{worker="a"} 5.0\n'
+    text = merge_metrics({"p0": one, "p1": two}).decode()
+    assert text.count("# TYPE x_total counter") == 1
+    assert 'x_total{proxy="p0",worker="a"} 1.0' in text
+    assert 'x_total{proxy="p1",worker="a"} 5.0' in text
+    assert 'g{proxy="p0"} 2.0' in text
+
+
+def test_online_refit_is_refused_with_several_proxies() -> None:
+    from stages.errors import EldrError
+    from stages.serve.deploy import ServeOptions
+
+    with pytest.raises(EldrError, match="--online-refit runs in one proxy"):
+        ServeOptions(proxy_workers=2, online_refit=True).check()
+    with pytest.raises(EldrError, match="--proxy-workers must be >= 1"):
+        ServeOptions(proxy_workers=0).check()
