@@ -15,9 +15,14 @@ from stages.routing.policies import POLICIES
 ALL_POLICIES = ",".join(POLICIES)
 
 
-def _check_modes(simulate: bool, replay: bool, engine_cost: bool, another_pass: bool) -> None:
+def _check_modes(simulate: bool, replay: bool, engine_cost: bool, another_pass: bool,
+                 proxies_set: bool) -> None:
     if replay and not simulate:
         raise EldrError("--replay simulates a live run: add --simulate")
+    if replay and proxies_set:
+        # A replay reproduces the live run's one proxy; its live figures would not compare.
+        raise EldrError("--proxies and --publish-delay-ms model a --simulate cluster, not a"
+                        " --replay of a live run")
     if another_pass and not engine_cost:
         raise EldrError("--another-pass adds a pass to an engine-cost measurement: add"
                         " --engine-cost")
@@ -84,6 +89,15 @@ def bench(
         " data (same --k as the simulation's, so the gains compare); its held-out gain"
         " (prefill-to-decode agreement) is marked on the dial. Default: the simulation's"
         " artifact (--store).", show_default=False)] = None,
+    proxies: Annotated[int, typer.Option(
+        help="--simulate: routing proxies in front of the decode workers (N proxy processes"
+        " sharing one port, requests dealt to them in turn), each with its own policy and"
+        " in-flight counts: its own assignments at once, the others' only once the decode"
+        " workers publish them (--publish-delay-ms).", min=1)] = 1,
+    publish_delay_ms: Annotated[float, typer.Option(
+        help="--simulate with --proxies > 1: how stale a proxy's view of the other proxies'"
+        " assignments and completions is, in ms (the decode workers' publishing interval plus"
+        " transport); 0: every proxy sees exact loads.", min=0.0)] = 0.0,
     include_fit_rows: Annotated[bool, typer.Option(
         "--include-fit-rows", help="--simulate: also draw the requests the artifact's centroids"
         " were fit on (by default only those its fit held out, when it was fit on --data).")]
@@ -112,7 +126,8 @@ def bench(
     prompts_path = prompts or paths.EVALUATION_PROMPTS
     names = tuple(p.strip() for p in policies.split(",") if p.strip())
     options = policy_config(policy_options)
-    _check_modes(simulate, bool(replay), engine_cost, another_pass)
+    _check_modes(simulate, bool(replay), engine_cost, another_pass,
+                 proxies != 1 or publish_delay_ms != 0)
     if simulate and replay:
         from stages.bench.replay.replay_check import replay_and_validate
 
@@ -126,7 +141,8 @@ def bench(
             request_rate=request_rate, prefill=prefill, decode=decode, duration=duration,
             cost=cost or "gpu", output_tokens=output_tokens, seed=seed,
             locality_blend=locality_blend, locality_reference=locality_reference,
-            policy_config=options, include_fit_rows=include_fit_rows,
+            policy_config=options, include_fit_rows=include_fit_rows, proxies=proxies,
+            publish_delay_ms=publish_delay_ms,
         ), typer.echo)
     elif engine_cost:
         from stages.bench.cost.engine_cost_run import run_engine_cost

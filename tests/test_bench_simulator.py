@@ -199,3 +199,107 @@ def test_batch_aware_policy_does_no_harm_without_locality(arrays, artifact) -> N
     for key in ("median_tpot_ms", "p99_tpot_ms"):
         best = min(results[p].metrics[key] for p in balancers)
         assert union[key] <= 1.03 * best, key
+
+
+# -- several routing proxies on a delayed view ------------------------------------------------
+
+# Decode steps priced by the batch alone (no expert term): TPOT follows how evenly the load is
+# spread, so a herd on one worker shows in it.
+BATCH_COST = CostModel(
+    num_layers=SPEC.num_layers,
+    base_s=0.005,
+    per_token_s=2e-3,
+    per_expert_s=0.0,
+    prefill_base_s=0.005,
+    prefill_per_token_s=1e-5,
+)
+
+
+def test_one_proxy_is_the_simulator_before_proxies(arrays, artifact) -> None:
+    """The figures of this configuration before proxies were modelled (commit c2f5e26): one
+    proxy takes the very same path. A deliberate change to the model updates them."""
+    config = _config(policies=("jsq", "eldr"))
+    before = {
+        "jsq": (463, 81.97911754188641, 88.7772038414499, 881.854589843404),
+        "eldr": (622, 55.641024726099005, 80.86714251999321, 629.6455355748577),
+    }
+    results = simulate(config, arrays, artifact, top_k=SPEC.top_k)
+    # A publish delay means nothing to a lone proxy: it hears of everything at once.
+    delayed = simulate(replace(config, publish_delay_s=0.5), arrays, artifact, top_k=SPEC.top_k)
+    for name, (steps, p50, p99, itl) in before.items():
+        m = results[name].metrics
+        assert m["decode_steps"] == steps
+        assert m["median_tpot_ms"] == pytest.approx(p50, rel=1e-12)
+        assert m["p99_tpot_ms"] == pytest.approx(p99, rel=1e-12)
+        assert float(results[name].table.itl_s.sum()) == pytest.approx(itl, rel=1e-12)
+        assert np.array_equal(delayed[name].table.itl_s, results[name].table.itl_s)
+
+
+def test_proxies_without_delay_route_as_one(arrays, artifact) -> None:
+    """With nothing to publish late every proxy routes on the true loads. ``eldr`` decides by
+    loads and signature alone, so four proxies make exactly one proxy's choices. ``jsq`` breaks
+    ties at random, and four proxies draw them from four seeded streams instead of one: its
+    choices differ on ties, not its figures beyond noise."""
+    one = simulate(_config(policies=("eldr", "jsq")), arrays, artifact, top_k=SPEC.top_k)
+    four = simulate(_config(policies=("eldr", "jsq"), proxies=4), arrays, artifact,
+                    top_k=SPEC.top_k)
+    for field_name in ("ttft_s", "latency_s", "itl_s"):
+        assert np.array_equal(getattr(one["eldr"].table, field_name),
+                              getattr(four["eldr"].table, field_name))
+    assert not np.array_equal(one["jsq"].table.itl_s, four["jsq"].table.itl_s)
+    a, b = one["jsq"].metrics, four["jsq"].metrics
+    assert b["completed"] == a["completed"]
+    for key in ("median_tpot_ms", "p99_tpot_ms", "mean_decode_batch"):
+        assert b[key] == pytest.approx(a[key], rel=0.03), key
+
+
+def test_stale_views_herd_a_load_balancer(arrays) -> None:
+    """Eight proxies that see one another's assignments 2 s late pile requests on the workers
+    that looked idle: the spread of in-flight counts and TPOT p99 grow; without a delay they
+    do not."""
+    config = _config(cost=BATCH_COST, policies=("jsq",), num_decode=8, request_rate=80.0,
+                     max_batch=64)
+
+    def run(proxies: int, delay_s: float) -> dict[str, float]:
+        staged = replace(config, proxies=proxies, publish_delay_s=delay_s)
+        return simulate(staged, arrays, None, top_k=SPEC.top_k)["jsq"].metrics
+
+    one, fresh, stale = run(1, 0.0), run(8, 0.0), run(8, 2.0)
+    assert fresh["mean_decode_load_spread"] < 1.2 * one["mean_decode_load_spread"]
+    assert stale["mean_decode_load_spread"] > 2.0 * one["mean_decode_load_spread"]
+    assert fresh["p99_tpot_ms"] < 1.1 * one["p99_tpot_ms"]
+    assert stale["p99_tpot_ms"] > 2.0 * one["p99_tpot_ms"]
+    assert stale["completed"] == one["completed"]
+
+
+def test_a_proxy_hears_of_completions_only_after_dispatches() -> None:
+    from stages.bench.sim.proxy_views import COMPLETED, DISPATCHED, ProxyViews, proxy_seeds
+    from stages.routing.context import RoutingContext
+    from stages.routing.policies import RoutingRequest, make_policy
+
+    seeds = proxy_seeds(7, 3)
+    assert seeds[0] == 7 and len(set(seeds)) == 3 and seeds == proxy_seeds(7, 3)
+    views = ProxyViews([make_policy("jsq", RoutingContext(2, seed=s)) for s in seeds[:2]], 2)
+    request = RoutingRequest(np.zeros(2, np.int64), np.ones(2, bool))
+    views.dispatch(views.proxy_of(5), 1, 5, request)  # proxy 1 of 2 takes request 5
+    assert [v.tolist() for v in views.loads] == [[0, 0], [0, 1]]
+    with pytest.raises(AssertionError, match="completed before"):
+        views.publish(COMPLETED, 1, 5)
+    views.publish(DISPATCHED, 1, 5)
+    assert [v.tolist() for v in views.loads] == [[0, 1], [0, 1]]
+    views.complete(1, 1, 5)
+    views.publish(COMPLETED, 1, 5)
+    assert [v.tolist() for v in views.loads] == [[0, 0], [0, 0]]
+    with pytest.raises(AssertionError, match="would count -1"):
+        views.complete(0, 1, 5)
+
+
+@pytest.mark.parametrize(("field_name", "value", "message"), [
+    ("proxies", 0, "at least one proxy"),
+    ("publish_delay_s", -0.001, "publish delay"),
+    ("publish_delay_s", float("nan"), "publish delay"),
+    ("publish_delay_s", float("inf"), "publish delay"),
+])
+def test_proxy_settings_are_checked(field_name: str, value: float, message: str) -> None:
+    with pytest.raises(EldrError, match=message):
+        _config(**{field_name: value})

@@ -222,6 +222,64 @@ def test_bench_without_a_proxy_points_to_serve(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_bench_simulate_takes_proxies_and_their_publish_delay(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--proxies and --publish-delay-ms reach the simulation's options (the run mocked); a
+    replay, which reproduces a live run's one proxy, refuses them."""
+    import stages.bench.sim.simulate_run as simulate_run
+    from stages.errors import EldrError
+
+    seen = []
+    monkeypatch.setattr(simulate_run, "run_simulate", lambda options, echo: seen.append(options))
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    result = runner.invoke(app, ["bench", "--simulate", "--proxies", "4",
+                                 "--publish-delay-ms", "5"])
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, ["bench", "--simulate"]).exit_code == 0
+    assert [(o.proxies, o.publish_delay_ms) for o in seen] == [(4, 5.0), (1, 0.0)]
+    for bad in (["--proxies", "0"], ["--publish-delay-ms", "-1"]):
+        assert runner.invoke(app, ["bench", "--simulate", *bad]).exit_code == 2
+    replay = runner.invoke(app, ["bench", "--simulate", "--replay", str(tmp_path),
+                                 "--proxies", "2"])
+    assert isinstance(replay.exception, EldrError)
+    assert "not a --replay" in str(replay.exception)
+
+
+def test_bench_simulate_records_its_proxies(tmp_path: Path) -> None:
+    """A small simulation end to end: the title and each policy's results file say how many
+    proxies routed and how stale their views were."""
+    import orjson
+
+    from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
+    from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
+
+    spec = SyntheticSpec(num_requests=50, num_layers=4, num_experts=16, top_k=2,
+                         domain_experts=6, min_output=8, max_output=16)
+    arrays = synthetic_signatures(spec)
+    identity = ModelIdentity(name="syn", num_layers=4, num_experts=16, top_k=2)
+    dataset = SignatureDataset.create_or_open(tmp_path / "sig.zarr", identity, "test")
+    dataset.append([
+        CaptureRecord(id=str(arrays.ids[i]), domain="d", prompt_sha256="",
+                      prompt_tokens=int(arrays.prompt_tokens[i]),
+                      output_tokens=int(arrays.output_tokens[i]),
+                      prefill_counts=arrays.prefill_counts[i],
+                      decode_counts=arrays.decode_counts[i])
+        for i in range(len(arrays))
+    ])
+    out = tmp_path / "results"
+    result = runner.invoke(app, [
+        "bench", "--simulate", "--data", str(tmp_path / "sig.zarr"), "--policies", "jsq",
+        "--prefill", "1", "--decode", "2", "--duration", "3", "--cost", "cpu",
+        "--request-rate", "5", "--proxies", "3", "--publish-delay-ms", "20",
+        "--result-dir", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    assert "simulated 1P2D behind 3 proxies (20 ms publish delay), 5 req/s" in result.output
+    doc = orjson.loads((out / "jsq-5qps.json").read_bytes())
+    assert (doc["proxies"], doc["publish_delay_ms"]) == (3, 20.0)
+
+
 def test_serve_passes_engine_args_and_served_name_to_the_workers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -392,7 +450,7 @@ class _Serving:
     """Fake workers for `eldr serve` (tiny's signature shape) and what reached the proxy."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, names: list[str]) -> None:
-        import stages.serve.proxy as proxy
+        import stages.serve.proxy.group as group
         from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 
         self.behaviors = [FakeBehavior(n) for n in names]
@@ -400,7 +458,8 @@ class _Serving:
                         for b in self.behaviors]
         self.urls = [s.url for s in self.servers]
         self.configs: list[object] = []
-        monkeypatch.setattr(proxy, "run_proxy", lambda config, **kw: self.configs.append(config))
+        monkeypatch.setattr(group, "serve_group",
+                            lambda config, *args, **kw: self.configs.append(config))
         monkeypatch.setenv("ELDR_HOME", str(tmp_path))
 
     def checked(self) -> list[str]:

@@ -40,6 +40,10 @@ class SimulateOptions:
     # Also simulate the requests the artifact's centroids were fit on (by default only the
     # ones it held out, when it was fit on this dataset).
     include_fit_rows: bool = False
+    # Routing proxies in front of the decode workers, each seeing the others' assignments
+    # only once the workers publish them, publish_delay_ms later (``SimConfig.proxies``).
+    proxies: int = 1
+    publish_delay_ms: float = 0.0
 
 
 # Fewer distinct requests than this, drawn over a whole simulation, repeat so often that
@@ -71,6 +75,18 @@ def unseen_requests(arrays: SignatureArrays, artifact: Artifact | None, dataset_
                      " that groups similar requests; capture more prompts for figures that"
                      " hold")
     return pool, notes
+
+
+def _proxies_info(config: SimConfig) -> dict[str, object]:
+    """The routing proxies a simulation modelled, as its result files record them."""
+    return {"proxies": config.proxies, "publish_delay_ms": 1000.0 * config.publish_delay_s}
+
+
+def _proxies_label(config: SimConfig) -> str:
+    if config.proxies == 1:
+        return ""
+    delay_ms = 1000.0 * config.publish_delay_s
+    return f" behind {config.proxies} proxies ({delay_ms:g} ms publish delay)"
 
 
 def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
@@ -106,7 +122,8 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
     base = SimConfig(cost=model, num_prefill=prefill, num_decode=decode, duration_s=duration,
                      policies=o.policies, output_tokens=output_tokens,
                      max_output_tokens=max(512, output_tokens or 0), seed=o.seed,
-                     locality_blend=strengths[0], policy_config=o.policy_config)
+                     locality_blend=strengths[0], policy_config=o.policy_config,
+                     proxies=o.proxies, publish_delay_s=o.publish_delay_ms / 1000.0)
     capacity = None
     if any(s.of_capacity for s in specs):
         capacity = cluster_capacity(
@@ -119,7 +136,8 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
         chosen = ", ".join(f"{r:g}" + (f" ({s.value:.0%})" if s.of_capacity else "")
                            for s, r in zip(specs, rates, strict=True))
         echo(f"request rates {chosen} req/s: {capacity.describe()}")
-    source = f"{prefill}P{decode}D simulated, cost {model.name}, {identity.name}"
+    source = (f"{prefill}P{decode}D simulated{_proxies_label(base)}, cost {model.name},"
+              f" {identity.name}")
     if len(strengths) > 1:
         _locality_sweep(replace(base, request_rate=rates[0]), dataset, arrays, pool, artifact,
                         strengths, identity.top_k, o.locality_reference, source, o.result_dir,
@@ -130,12 +148,12 @@ def run_simulate(o: SimulateOptions, echo: Callable[[str], None]) -> None:
     for rate in rates:
         config = replace(base, request_rate=rate)
         comparison = ComparisonResult(rate, simulate(config, pool, artifact,
-                                                     top_k=identity.top_k))
+                                                     top_k=identity.top_k), _proxies_info(base))
         sweep.append(comparison)
         save_comparison(comparison, o.result_dir)
         echo(format_comparison(
-            comparison.metrics(), f"simulated {prefill}P{decode}D, {rate:g} req/s,"
-            f" {duration:g} s, {model.name} cost, {identity.describe()}{blend}"))
+            comparison.metrics(), f"simulated {prefill}P{decode}D{_proxies_label(base)},"
+            f" {rate:g} req/s, {duration:g} s, {model.name} cost, {identity.describe()}{blend}"))
     for path in write_plots(sweep, o.result_dir, source + blend, prefix="sim-"):
         echo(f"plot: {path}")
 
@@ -176,7 +194,7 @@ def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: Signat
     # Not Path.with_suffix: a rate such as 4.12 has a dot of its own.
     numbers = result_dir / f"sim-locality-dial-{rate}qps.json"
     doc = sweep_json(sweep, {"source": source, "duration_s": config.duration_s,
-                             "seed": config.seed})
+                             "seed": config.seed, **_proxies_info(config)})
     numbers.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     plot = plot_locality_dial(sweep, result_dir / f"sim-locality-dial-{rate}qps.png",
                               title=f"{source}: locality dial at {rate} req/s,"

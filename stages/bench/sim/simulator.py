@@ -28,6 +28,12 @@ and step-time figures are over decode-only steps (no request joining), as the wo
 counters count them. With ``locality_blend`` s > 0 each simulated request's decode profile is
 first blended with another simulated request's (s = 1: no locality; ``locality_blend``).
 
+With ``proxies`` N > 1, N proxies route the requests (one each, by arrival order), each with
+its own policy instance and in-flight counts: its own dispatches and completions at once, the
+others' ``publish_delay_s`` later, as the decode workers publish them (``proxy_views``). The
+prefill leg stays routed on exact state (its least-loaded choice is the load generator's
+model, not a proxy's).
+
 A run is a sequence of segments per policy, each from an idle cluster (a live run's rounds);
 ``simulate`` runs one Poisson segment, the same for every policy.
 """
@@ -35,6 +41,7 @@ A run is a sequence of segments per policy, each from an idle cluster (a live ru
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,6 +52,7 @@ from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import ComparisonResult, PolicyResult
 from stages.bench.sim.expert_union import DecodeProfiles, ExpertUnion
 from stages.bench.sim.locality_blend import blend_requests, check_strength
+from stages.bench.sim.proxy_views import COMPLETED, DISPATCHED, ProxyViews, proxy_seeds
 from stages.bench.sim.shared_cores import SHARING_MODES, SharedCores, StepEnd
 from stages.bench.sim.sim_workload import RoutingArtifact, Workload, build_workload
 from stages.errors import EldrError
@@ -62,7 +70,7 @@ from stages.signature.dataset import SignatureArrays
 
 DEFAULT_POLICIES = tuple(POLICIES)
 PREFILL_ROUTING = ("round_robin", "least_loaded")
-_STEP_END, _PREFILL_END, _AT_DECODE, _KV_LOADED = 0, 1, 2, 3
+_STEP_END, _PREFILL_END, _AT_DECODE, _KV_LOADED, _PUBLISHED = 0, 1, 2, 3, 4
 _NOISE_BLOCK = 1 << 16
 
 
@@ -98,6 +106,10 @@ class SimConfig:
     # The locality dial: 0 = the dataset's own decode, 1 = another request's (no locality).
     locality_blend: float = 0.0
     seed: int = 0
+    # Routing proxies in front of the decode workers, each routing on its own view: its own
+    # assignments at once, the others' once the workers publish them, publish_delay_s later.
+    proxies: int = 1
+    publish_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -129,6 +141,10 @@ class SimConfig:
                 f"core sharing must be one of {SHARING_MODES}, got {self.core_sharing!r}"
             )
         check_strength(self.locality_blend)
+        if self.proxies < 1:
+            raise EldrError(f"need at least one proxy, got {self.proxies}")
+        if not (math.isfinite(self.publish_delay_s) and self.publish_delay_s >= 0):
+            raise EldrError(f"publish delay must be finite and >= 0 s, got {self.publish_delay_s}")
 
 
 @dataclass
@@ -169,6 +185,9 @@ class _Outcome:
     steps: _StepLog
     warmup_s: float
     max_in_flight: int  # requests sent and not yet done, at most (the live run's peak)
+    # Per measured request, the most minus the fewest requests on a decode worker just after
+    # its dispatch: how evenly the proxies' (possibly stale) views spread the load.
+    load_spread: np.ndarray
 
 
 class _Segment:
@@ -180,14 +199,19 @@ class _Segment:
         arrays: SignatureArrays,
         workload: Workload,
         profiles: DecodeProfiles,
-        policy: DecodePolicy,
+        policies: Sequence[DecodePolicy],
         top_k: int,
         noise_rng: np.random.Generator,
     ) -> None:
+        """``policies``: one per proxy (``config.proxies``)."""
+        if len(policies) != config.proxies:
+            raise ValueError(f"{len(policies)} policies for {config.proxies} proxies")
         self.cfg = config
         self.wl = workload
         self.profiles = profiles
-        self.policy = policy
+        self.policy = policies[0]
+        # None with one proxy: it routes on the true loads, as before there were several.
+        self.views = None if len(policies) == 1 else ProxyViews(policies, config.num_decode)
         self.prefill_counts = arrays.prefill_counts
         num_layers, num_experts = arrays.decode_counts.shape[1:]
         size = num_layers * num_experts
@@ -205,6 +229,7 @@ class _Segment:
         self.prefill_end = np.full(n, np.nan)
         self.first_step_end = np.full(n, np.nan)
         self.done_at = np.full(n, np.nan)
+        self.load_spread = np.zeros(n, dtype=np.int64)
         self.measured = workload.arrival_s >= config.warmup_s
         # Tokens the decode worker generates per request.
         self.decode_tokens = workload.output_tokens - (1 if config.first_token_from_prefill else 0)
@@ -280,14 +305,33 @@ class _Segment:
             self.prefill_counts[self.wl.rows[r]],
             None if features is None else lambda counts: features[row],
         )
-        request = RoutingRequest(self.loads.copy(), self.eligible, inputs.features, inputs.counts)
-        w = self.policy.choose(request)
+        views = self.views
+        proxy = 0 if views is None else views.proxy_of(r)
+        loads = self.loads if views is None else views.loads[proxy]
+        policy = self.policy if views is None else views.policies[proxy]
+        request = RoutingRequest(loads.copy(), self.eligible, inputs.features, inputs.counts)
+        w = policy.choose(request)
         if not (0 <= w < self.cfg.num_decode):
-            raise EldrError(f"policy {self.policy.name} chose worker {w} of {self.cfg.num_decode}")
-        self.policy.on_dispatch(w, request, r)
+            raise EldrError(f"policy {policy.name} chose worker {w} of {self.cfg.num_decode}")
+        if views is None:
+            policy.on_dispatch(w, request, r)
         self.loads[w] += 1
+        self.load_spread[r] = self.loads.max() - self.loads.min()
         self.worker[r] = w
+        if views is not None:
+            views.dispatch(proxy, w, r, request)
+            self._publish(t, DISPATCHED, r)
         self.at_decode(r, t)
+
+    def _publish(self, t: float, what: int, r: int) -> None:
+        """Tell the other proxies of request ``r``'s dispatch or completion at ``t``."""
+        assert self.views is not None
+        delay = self.cfg.publish_delay_s
+        if delay == 0:
+            # At once: through the heap, other events of this instant could come first.
+            self.views.publish(what, int(self.worker[r]), r)
+        else:
+            self._push(t + delay, _PUBLISHED, r, what)
 
     def at_decode(self, r: int, t: float) -> None:
         w = int(self.worker[r])
@@ -376,7 +420,11 @@ class _Segment:
             if self.measured[r]:
                 dec.measured_in_batch -= 1
             self.loads[w] -= 1
-            self.policy.on_complete(w, r)
+            if self.views is None:
+                self.policy.on_complete(w, r)
+            else:
+                self.views.complete(self.views.proxy_of(r), w, r)
+                self._publish(t, COMPLETED, r)
             self.complete(r, t)
         dec.busy = False
         self._collect_loaded(dec, t)  # pulls the step's end reports done join now
@@ -396,8 +444,12 @@ class _Segment:
                 self.step_end(who, t, version)
             elif kind == _PREFILL_END:
                 self.route(who, t)
-            else:
+            elif kind == _KV_LOADED:
                 self.kv_loaded(who, t)
+            else:
+                assert self.views is not None  # published only with several proxies
+                # A publication carries what happened (dispatched or completed) as its version.
+                self.views.publish(version, int(self.worker[who]), who)
         if np.isnan(self.done_at).any():
             raise AssertionError("simulation ended with unfinished requests")
         return self.outcome()
@@ -425,7 +477,7 @@ class _Segment:
         # Ends before sends at equal times: a slot freed is taken by the next request then.
         events = sorted([(t, 1) for t in self.sent_at] + [(t, -1) for t in self.done_at])
         peak = int(np.max(np.cumsum([step for _, step in events])))
-        return _Outcome(table, window, log, cfg.warmup_s, peak)
+        return _Outcome(table, window, log, cfg.warmup_s, peak, self.load_spread[m])
 
 
 def _policy_result(name: str, outcomes: Sequence[_Outcome], num_layers: int) -> PolicyResult:
@@ -465,6 +517,8 @@ def _policy_result(name: str, outcomes: Sequence[_Outcome], num_layers: int) -> 
         "distinct_experts_per_layer": float(distinct.mean()) / num_layers if steps else nan,
         "mean_decode_step_ms": 1000.0 * float(seconds.mean()) if steps else nan,
         "mean_decode_batch": float(batch.mean()) if batch.size else nan,
+        "mean_decode_load_spread": float(np.mean(np.concatenate(
+            [o.load_spread for o in outcomes]))),
     }
     return PolicyResult(name, metrics, table, round_sizes=tuple(len(t) for t in tables))
 
@@ -479,6 +533,17 @@ def _check_inputs(config: SimConfig, arrays: SignatureArrays, artifact: object |
     needs = [p for p in config.policies if POLICIES[p].needs_centroids]
     if needs and artifact is None:
         raise EldrError(f"policy {needs[0]!r} needs a fitted artifact (eldr fit) to simulate")
+
+
+def _proxy_policies(name: str, context: RoutingContext, config: SimConfig) -> (
+    list[DecodePolicy]
+):
+    """Policy ``name`` for each proxy, as the proxy's policy switch builds it, each on its own
+    seed (the first on the segment's)."""
+    options = config.policy_config.overrides(name)
+    seeds = proxy_seeds(context.seed, config.proxies)
+    contexts = [context] + [replace(context, seed=s) for s in seeds[1:]]
+    return [make_policy(name, c, options) for c in contexts]
 
 
 def simulate_segments(
@@ -522,8 +587,8 @@ def simulate_segments(
             seeded = context if workload.policy_seed is None else replace(
                 context, seed=workload.policy_seed
             )
-            policy = make_policy(name, seeded, config.policy_config.overrides(name))
-            run = _Segment(config, arrays, workload, profiles, policy, top_k, noise)
+            policies = _proxy_policies(name, seeded, config)
+            run = _Segment(config, arrays, workload, profiles, policies, top_k, noise)
             outcomes.append(run.run())
         results[name] = _policy_result(name, outcomes, num_layers)
     return results
