@@ -57,7 +57,8 @@ except ModuleNotFoundError as exc:
         raise
     raise SystemExit(f"{exc}: run from the repo root as `python -m examples.bench_proxy`") from exc
 
-ROUTERS = ("direct", "eldr-union", "rr", "vllm-router")
+# "-2p": the same policy with two proxy processes on the port (eldr serve --proxy-workers 2).
+ROUTERS = ("direct", "eldr-union", "eldr-union-2p", "rr", "vllm-router")
 WORKLOADS = ("plain", "burst", "paced")
 
 
@@ -123,8 +124,10 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
         for url in decode:
             argv += ["--decode", url]
     else:
-        argv = [sys.executable, "-m", "eldr_cli", "serve", "--policy", name, "--port",
-                str(port), "--log-level", "warning"]
+        policy = name.removesuffix("-2p")
+        processes = "1" if policy == name else "2"
+        argv = [sys.executable, "-m", "eldr_cli", "serve", "--policy", policy, "--port",
+                str(port), "--log-level", "warning", "--proxy-workers", processes]
         for url in prefill:
             argv += ["--attach-prefill", url]
         for url in decode:
