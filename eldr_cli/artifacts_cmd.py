@@ -35,7 +35,7 @@ def show(
     version: Annotated[str, typer.Argument(help="Version (or 'latest').")] = "latest",
     store: StoreOption = None,
     gain: Annotated[bool, typer.Option(
-        "--gain", help="Print only the held-out gain estimate `eldr fit` printed, as text.")
+        "--gain", help="Print only the per-step gain estimate `eldr fit` printed, as text.")
     ] = False,
 ) -> None:
     """Print an artifact's model identity, fit parameters and metrics as JSON."""

@@ -30,13 +30,33 @@ def fit(
         help="Cost model for the predicted TPOT change: 'gpu' (GPU-like preset, as `eldr bench"
         " --simulate` by default), 'cpu', or a JSON file from `eldr bench --engine-cost`.")
     ] = "gpu",
+    decode_batch: Annotated[str | None, typer.Option(
+        "--decode-batch",
+        help="Decode batch sizes to estimate the per-step gain at, comma separated, e.g."
+        " 8,16,32: those your decode workers run. Default: 4,8,16,32.",
+        show_default=False)] = None,
 ) -> None:
     """Fit the signature transform (IDF, layer mask) and balanced spherical k-means centroids,
     and save them as an immutable, content-addressed artifact version. Prints what routing by
-    centroid should buy per decode step on held-out requests, and the TPOT change it predicts."""
+    centroid should buy per decode step, estimated on every request with centroids fit without
+    it (cross-fit), and the TPOT change it predicts."""
     from stages.fit.fit_dataset import fit_dataset
+    from stages.fit.gain import GainConfig
     from stages.fit.pipeline import FitConfig
 
+    gain = GainConfig() if decode_batch is None else GainConfig(batch_sizes=_batch_sizes(
+        decode_batch))
     fit_dataset(data or paths.default_dataset(), store or paths.default_artifact_store(),
-                FitConfig(k=k, balanced=balanced, seed=seed), cost, plot, echo=typer.echo,
-                warn=lambda line: typer.echo(line, err=True))
+                FitConfig(k=k, balanced=balanced, seed=seed, gain=gain), cost, plot,
+                echo=typer.echo, warn=lambda line: typer.echo(line, err=True))
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """``--decode-batch`` parsed; a bad value is a usage error (exit 2), as Typer's own."""
+    from stages.errors import EldrError
+    from stages.fit.gain import parse_batch_sizes
+
+    try:
+        return parse_batch_sizes(text)
+    except EldrError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--decode-batch'") from exc

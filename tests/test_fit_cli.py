@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from eldr_cli.app import app
+from stages.fit.artifact import ArtifactStore
 from stages.signature.dataset import CaptureRecord, SignatureDataset
 from tests.test_fit_gain import IDENTITY, domain_counts
 
@@ -39,11 +41,14 @@ def fit(tmp_path: Path, data: Path, k: int) -> str:
 def test_fit_prints_gain_tpot_and_verdict(tmp_path: Path) -> None:
     prefill, decode = domain_counts(seed=0)
     out = fit(tmp_path, write_dataset(tmp_path / "sig.zarr", prefill, decode), k=4)
-    assert "expected per-step gain of routing by centroid (k=4), on 120 held-out requests" in out
+    # Cross-fit: all 600 requests, so batches of 16 and 32 too (120 held out reached 8).
+    assert ("expected per-step gain of routing by centroid (k=4), on all 600 requests' decode"
+            " profiles, each labelled by centroids fit without it (5-fold cross-fit") in out
     assert "TPOT from the gpu-like cost model (--cost gpu, the preset `eldr bench" in out
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["4"], ["8"])]
-    assert [r[0] for r in rows] == ["4", "8"] and all(r[-1] == "gain" for r in rows)
-    assert "verdict: expected gain" in out and "warning:" not in out
+    rows = [line.split() for line in out.splitlines()
+            if line.split()[:1] in (["4"], ["8"], ["16"], ["32"])]
+    assert [r[0] for r in rows] == ["4", "8", "16", "32"] and all(r[-1] == "gain" for r in rows)
+    assert "verdict: expected gain at batch 4, 8, 16 and 32 (" in out and "warning:" not in out
 
     shown = runner.invoke(app, ["artifacts", "show", "--gain", "--store",
                                 str(tmp_path / "artifacts")])
@@ -74,3 +79,32 @@ def test_fit_with_cpu_cost_names_it(tmp_path: Path) -> None:
                                  str(tmp_path / "a"), "--no-plot", "--cost", "cpu"])
     assert result.exit_code == 0, result.output
     assert "TPOT from the cpu-like cost model (--cost cpu)" in result.output
+
+
+def test_fit_estimates_the_decode_batches_asked_for(tmp_path: Path) -> None:
+    prefill, decode = domain_counts(seed=0)
+    data = write_dataset(tmp_path / "sig.zarr", prefill, decode)
+    result = runner.invoke(app, ["fit", "--k", "4", "--data", str(data), "--store",
+                                 str(tmp_path / "a"), "--no-plot", "--decode-batch", "16, 8"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split()[0] for line in result.output.splitlines()
+            if line.split()[:1] in (["4"], ["8"], ["16"], ["32"])]
+    assert rows == ["8", "16"]
+    assert "verdict: expected gain at batch 8 and 16 (" in result.output
+    assert ArtifactStore(tmp_path / "a").load().params["gain"]["batch_sizes"] == [8, 16]
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [("0", "must be positive"), ("x", "'x' is not a decode batch size"),
+     ("", "at least one decode batch size")],
+)
+def test_a_bad_decode_batch_is_a_usage_error(tmp_path: Path, value: str, why: str) -> None:
+    """Refused before anything is read (the dataset does not exist), exit 2, no traceback."""
+    result = runner.invoke(app, ["fit", "--data", str(tmp_path / "none.zarr"), "--no-plot",
+                                 "--decode-batch", value])
+    assert result.exit_code == 2, result.output
+    # Typer may draw the message in a box, wrapped to the terminal's width.
+    said = " ".join(result.output.replace("│", " ").split())
+    assert "Invalid value for '--decode-batch'" in said and why in said
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)

@@ -1,4 +1,5 @@
-"""fit_artifact end to end on synthetic domain-structured signatures, and plot_fit."""
+"""fit_artifact end to end on synthetic domain-structured signatures, plot_fit, and the
+cross-fit's folds and cluster matching."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from stages.errors import EldrError
 from stages.fit.artifact import ArtifactStore
+from stages.fit.cross_fit import fold_of, matched_ids
 from stages.fit.fit_plot import plot_fit
 from stages.fit.pipeline import FitConfig, distinct_experts_per_layer, fit_artifact
 from stages.signature.dataset import ModelIdentity
@@ -56,6 +58,10 @@ def test_fit_artifact_end_to_end(tmp_path: Path) -> None:
         < held["same_cluster_distinct_experts_per_layer"]
     )
     assert m["warnings"] == []  # 64 training signatures per cluster
+    # Every request, labelled out of fold, in the artifact's cluster ids.
+    assert gain["method"] == "cross-fit" and gain["folds"] == 5 and gain["num_holdout"] == 320
+    assert gain["label_agreement"] > 0.95 and sum(gain["holdout_cluster_sizes"]) == 320
+    assert artifact.params["folds"] == 5
     # Same data, same config: same content, same version.
     again = fit_artifact(prefill, decode, IDENTITY, "d" * 64, config, store)
     assert again.version == artifact.version
@@ -65,12 +71,15 @@ def test_fit_artifact_end_to_end(tmp_path: Path) -> None:
 
 
 def test_plain_kmeans_and_no_holdout(tmp_path: Path) -> None:
+    """No held-out split: the whole-decode metric has nothing to measure, but the per-step
+    gain is cross-fit on every request and needs none (it used to say "unknown" here)."""
     prefill, decode = domain_counts(seed=1, n=120)
     config = FitConfig(k=3, balanced=False, holdout_fraction=0.0, num_pairs=2000)
     artifact = fit_artifact(prefill, decode, IDENTITY, "e" * 64, config, ArtifactStore(tmp_path))
     assert artifact.params["balanced"] is False and artifact.params["num_holdout"] == 0
     assert "note" in artifact.metrics["holdout"]
-    assert artifact.metrics["expected_gain"]["verdict"] == "unknown"
+    gain = artifact.metrics["expected_gain"]
+    assert gain["num_holdout"] == 120 and gain["verdict"] == "gain"
     plot_fit(artifact, tmp_path / "plain.png")
 
 
@@ -86,6 +95,39 @@ def test_refuses_bad_input(tmp_path: Path) -> None:
         fit_artifact(prefill, np.zeros_like(decode), IDENTITY, "f", FitConfig(k=2), store)
     with pytest.raises(EldrError, match="holdout"):
         FitConfig(holdout_fraction=1.0)
+    with pytest.raises(EldrError, match="at least 2 folds"):
+        FitConfig(folds=1)
+    # 25 requests, 20 clusters: the training split (20) makes them, a cross-fit part (20 of 25
+    # in 5 folds) too, but not in 2 folds (12).
+    prefill, decode = domain_counts(seed=2, n=25)
+    with pytest.raises(EldrError, match=r"12 requests in a cross-fit training part \(2 folds\)"):
+        fit_artifact(prefill, decode, IDENTITY, "f", FitConfig(k=20, folds=2), store)
+
+
+def test_folds_are_seeded_and_even() -> None:
+    fold = fold_of(23, 5, seed=3)
+    assert np.array_equal(fold, fold_of(23, 5, seed=3))
+    assert not np.array_equal(fold, fold_of(23, 5, seed=4))
+    assert sorted(np.bincount(fold).tolist()) == [4, 4, 5, 5, 5]
+    with pytest.raises(EldrError, match="between 2 and 3 folds"):
+        fold_of(3, 4, seed=0)
+
+
+def test_matching_renames_a_fold_s_clusters_to_the_reference_s() -> None:
+    """A fold that found the reference's three clusters under other names, with a few rows
+    misplaced: each name goes back to the reference cluster it stands for."""
+    rng = np.random.default_rng(0)
+    reference = np.eye(3)
+    truth = np.repeat(np.arange(3), 20)
+    x = reference[truth] + 0.2 * rng.random((60, 3))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    names = np.array([2, 0, 1])  # reference cluster c is the fold's names[c]
+    fold_labels = names[truth]
+    fold_labels[[0, 21]] = fold_labels[[21, 0]]
+    renamed = matched_ids(fold_labels, x, reference)
+    assert np.array_equal(renamed[names], np.arange(3))
+    # An empty fold cluster still gets the one name left.
+    assert sorted(matched_ids(np.zeros(60, np.int64), x, reference).tolist()) == [0, 1, 2]
 
 
 def test_distinct_experts_per_layer() -> None:

@@ -1,9 +1,9 @@
-"""`eldr fit`'s PNG: cluster sizes, the layer mask, and the held-out per-step gain.
+"""`eldr fit`'s PNG: cluster sizes, the layer mask, and the per-step gain.
 
 matplotlib's object API (Figure + Agg canvas): no pyplot global state, works without a display.
 Every panel holds data: a layer search that stopped after one layer has no curve, so the mask
-itself is drawn; a gain that could not be estimated shows the held-out cluster sizes against
-what the smallest batch needs.
+itself is drawn; a gain that could not be estimated shows the sizes of the clusters it was
+estimated on against what the smallest batch needs.
 """
 
 from __future__ import annotations
@@ -96,14 +96,14 @@ def _plot_gain(ax: Axes, gain: dict[str, Any]) -> None:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
     level = round(100 * gain["confidence"])
     ax.set(
-        title=f"expected per-step gain\n{gain['num_holdout']} held-out requests, {level}% CI",
+        title=f"expected per-step gain\n{_requests(gain)}, {level}% CI",
         xlabel="decode batch size",
         ylabel="expected distinct experts per layer",
     )
 
 
 def _plot_holdout_sizes(ax: Axes, gain: dict[str, Any]) -> None:
-    """Why there is no gain: held-out requests per cluster against what a batch needs."""
+    """Why there is no gain: requests per cluster against what a batch needs."""
     sizes = gain.get("holdout_cluster_sizes", [])
     batches = [int(r["batch_size"]) for r in gain.get("batches", [])]
     ax.bar(range(len(sizes)), sizes, color="tab:gray")
@@ -114,6 +114,14 @@ def _plot_holdout_sizes(ax: Axes, gain: dict[str, Any]) -> None:
         ax.set_ylim(0, 1.2 * max([need, *sizes]))
         ax.legend(fontsize=8)
     _integer_axes(ax)
-    ax.set(title=f"per-step gain not estimated:\ntoo few of {gain.get('num_holdout', 0)}"
-           " held-out requests per cluster",
-           xlabel="cluster (decode worker)", ylabel="held-out requests")
+    ax.set(title=f"per-step gain not estimated:\ntoo few of {_requests(gain)} per cluster",
+           xlabel="cluster (decode worker)", ylabel="requests")
+
+
+def _requests(gain: dict[str, Any]) -> str:
+    """What the estimate ran on: every request out of fold, or (artifacts fit before the
+    cross-fit) the held-out split."""
+    n = gain.get("num_holdout", 0)
+    if gain.get("method") == "cross-fit":
+        return f"{n} requests ({gain['folds']}-fold cross-fit)"
+    return f"{n} held-out requests"

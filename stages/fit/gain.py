@@ -1,25 +1,33 @@
-"""What routing by centroid should buy per decode step, estimated on held-out requests.
+"""What routing by centroid should buy per decode step, estimated on requests the centroids
+were not fit on.
 
-Held-out requests go to their nearest centroid, as ELDR routes them (tau = 0, no load). For
-each decode batch size B, batches of B requests of one cluster (what an ELDR decode worker
-runs) are compared with batches of B of the same requests regardless of cluster (what a load
-balancer gives), by the expected distinct experts per layer of one decode step, from the
-requests' decode profiles (``stages.signature.inclusion``): decode step time follows that
-count, a whole decode's union of experts does not (it saturates as answers grow). Each arm is
-the exact mean over every possible batch (``stages.fit.batch_union``), so the estimate carries
-no batch-sampling noise. A step-time model turns both counts into step times, hence the TPOT
-change at that batch size. Load balancing moves some requests off their nearest centroid, so
-``eldr`` and ``eldr-bl`` get somewhat less than this.
+Each request carries the cluster of its nearest centroid, as ELDR routes it (tau = 0, no load):
+``estimate_gain`` labels held-out requests by one set of centroids; ``gain_from_labels`` takes
+labels made elsewhere (``eldr fit`` labels every request by centroids fit without it,
+``stages.fit.cross_fit``). For each decode batch size B, batches of B requests of one cluster
+(what an ELDR decode worker runs) are compared with batches of B of the same requests
+regardless of cluster (what a load balancer gives), by the expected distinct experts per layer
+of one decode step, from the requests' decode profiles (``stages.signature.inclusion``): decode
+step time follows that count, a whole decode's union of experts does not (it saturates as
+answers grow). Each arm is the exact mean over every possible batch
+(``stages.fit.batch_union``), so the estimate carries no batch-sampling noise. A step-time
+model turns both counts into step times, hence the TPOT change at that batch size. Load
+balancing moves some requests off their nearest centroid, so ``eldr`` and ``eldr-bl`` get
+somewhat less than this.
 
-The interval comes from a Poisson bootstrap over held-out requests: with a few hundred of them,
-which requests were held out is the whole uncertainty. Re-computing both arms for every
-resample would cost resamples x m x B x L x E, so each resample moves an arm's mean by its
-requests' weights times their influence, to first order: B/m times (the mean over the batches
-that contain the request minus the arm's mean), the Hoeffding projection of the batch
-statistic, scaled by (m-1)/(m-B), which makes it exact for a statistic additive over members
-(from only m members, the batches that hold a request share the others; the scaling undoes
-that shrinkage). Both arms see the same weights, so the interval of their difference is
-paired.
+The interval comes from a Poisson bootstrap over the requests, their labels held fixed: with a
+few hundred of them, which requests were drawn is the whole uncertainty the interval speaks
+for (where the centroids fell is not resampled). Re-computing both arms for every resample
+would cost resamples x m x B x L x E, so each resample moves an arm's mean by its requests'
+weights times their influence, to first order: B/m times (the mean over the batches that
+contain the request minus the arm's mean), the Hoeffding projection of the batch statistic,
+scaled by (m-1)/(m-B), which makes it exact for a statistic additive over members (from only
+m members, the batches that hold a request share the others; the scaling undoes that
+shrinkage). Both arms see the same weights, so the interval of their difference is paired.
+
+The result's ``num_holdout`` and ``holdout_cluster_sizes`` count the requests estimated on:
+the held-out split for ``estimate_gain``, every request for a cross-fit (each is held out of
+the fit that labelled it).
 """
 
 from __future__ import annotations
@@ -32,10 +40,10 @@ import numpy as np
 from stages.errors import EldrError
 from stages.fit.batch_union import batch_union
 
-# A batch size is estimated from the clusters with at least this many times B held-out
+# A batch size is estimated from the clusters with at least this many times B labelled
 # requests: fewer and a cluster's batches are nearly one set of requests.
 MEMBERS_PER_SLOT = 2
-# ... and only when those clusters hold at least this share of the held-out requests, so the
+# ... and only when those clusters hold at least this share of the requests, so the
 # estimate speaks for most of the traffic, not for a few large clusters.
 MIN_COVERAGE = 0.5
 # A TPOT gain below this is not worth ELDR's tail risk: with no locality, centroid routing
@@ -76,7 +84,34 @@ class _Arm:
 
     mean: float  # expected distinct experts per layer per step, over every batch
     batches: float  # how many distinct batches that is
-    influence: np.ndarray  # [n] per held-out request (zero outside the arm's requests)
+    influence: np.ndarray  # [n] per request (zero outside the arm's requests)
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"8,16,32"`` -> ``(8, 16, 32)``: positive integers, comma separated, sorted, once each."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise EldrError("give at least one decode batch size, e.g. 8,16,32")
+    sizes = []
+    for part in parts:
+        try:
+            size = int(part)
+        except ValueError as exc:
+            raise EldrError(
+                f"{part!r} is not a decode batch size: give positive integers, comma separated,"
+                " e.g. 8,16,32"
+            ) from exc
+        if size < 1:
+            raise EldrError(f"decode batch sizes must be positive, got {size}")
+        sizes.append(size)
+    return tuple(sorted(set(sizes)))
+
+
+def nearest_centroid(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """ELDR's tau = 0 rule, without load: each unit row of ``x`` to its most similar centroid."""
+    if not len(x):
+        return np.zeros(0, np.int64)
+    return np.asarray((x @ centroids.T).argmax(axis=1), dtype=np.int64)
 
 
 def estimate_gain(
@@ -90,13 +125,41 @@ def estimate_gain(
 ) -> dict[str, Any]:
     """Same-cluster against random decode batches of held-out requests, per batch size.
 
-    ``x``: ``[n, D]`` transformed held-out signatures; ``log_complement``: ``[n, L*E]`` their
-    decode profiles' ``log(1 - pi)``. Returns a JSON-ready dict: one entry per batch size
-    (estimates and intervals, or why it was skipped) and an overall ``verdict``.
+    ``x``: ``[n, D]`` transformed held-out signatures, routed to their nearest centroid;
+    ``log_complement``: ``[n, L*E]`` their decode profiles' ``log(1 - pi)``. As
+    ``gain_from_labels``.
     """
-    n = len(x)
-    labels = (x @ centroids.T).argmax(axis=1) if n else np.zeros(0, np.int64)
-    sizes = np.bincount(labels, minlength=len(centroids))
+    return gain_from_labels(
+        nearest_centroid(x, centroids), len(centroids), log_complement, num_layers, config,
+        rng, cost,
+    )
+
+
+def gain_from_labels(
+    labels: np.ndarray,
+    num_clusters: int,
+    log_complement: np.ndarray,
+    num_layers: int,
+    config: GainConfig,
+    rng: np.random.Generator,
+    cost: StepTimeModel | None = None,
+) -> dict[str, Any]:
+    """Same-cluster against random decode batches of requests labelled ``labels`` (``[n]``,
+    cluster ids below ``num_clusters``, each from centroids not fit on that request), per
+    batch size.
+
+    ``log_complement``: ``[n, L*E]`` the requests' decode profiles' ``log(1 - pi)``. Returns a
+    JSON-ready dict: one entry per batch size (estimates and intervals, or why it was skipped)
+    and an overall ``verdict``. The interval holds the labels fixed: it is the uncertainty of
+    which requests were drawn, not of where the centroids fell.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    n = len(labels)
+    if len(log_complement) != n:
+        raise ValueError(f"{n} labels but {len(log_complement)} decode profiles")
+    if n and not 0 <= labels.min() <= labels.max() < num_clusters:
+        raise ValueError(f"labels must be cluster ids in [0, {num_clusters})")
+    sizes = np.bincount(labels, minlength=num_clusters)
     batch_sizes = sorted(set(config.batch_sizes))
     eligible = {b: np.flatnonzero(sizes >= MEMBERS_PER_SLOT * b) for b in batch_sizes}
     estimable = [b for b in batch_sizes if sizes[eligible[b]].sum() >= max(1, MIN_COVERAGE * n)]
@@ -109,7 +172,7 @@ def estimate_gain(
         skip = None
         if batch not in estimable:
             skip = (
-                f"clusters with at least {MEMBERS_PER_SLOT * batch} held-out requests hold"
+                f"clusters with at least {MEMBERS_PER_SLOT * batch} requests hold"
                 f" {covered} of {n} (need at least {MIN_COVERAGE:.0%})"
             )
         elif min(pools[batch].batches, sum(a.batches for a in clusters[batch])) < (
@@ -193,7 +256,7 @@ def _compare(
     alpha: float,
     cost: StepTimeModel | None,
 ) -> dict[str, Any]:
-    """Same-cluster (clusters weighted by their held-out traffic, the share of steps their
+    """Same-cluster (clusters weighted by their labelled traffic, the share of steps their
     decode workers run) against random, with resampled intervals."""
     members = [labels == c for c in eligible]
     share = np.array([m.sum() for m in members], dtype=np.float64)

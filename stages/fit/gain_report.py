@@ -1,4 +1,5 @@
-"""The held-out gain estimate (``stages.fit.gain``) in words: a table and a plain verdict.
+"""The per-step gain estimate (``stages.fit.gain``) in words: a table and a plain verdict
+that names the batch sizes it rests on and those it could not estimate.
 
 Read from the dict the artifact stores, so ``eldr fit`` and ``eldr artifacts show`` say the
 same thing.
@@ -6,6 +7,7 @@ same thing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from stages.fit.gain import MEMBERS_PER_SLOT, MIN_TPOT_GAIN
@@ -15,18 +17,15 @@ from stages.fit.gain import MEMBERS_PER_SLOT, MIN_TPOT_GAIN
 # "Which policy"); eldr-bl packs harder, which pays on two or three decode workers.
 BALANCERS = ("jsq", "rr")
 LOCALITY_POLICIES = ("eldr-union", "eldr-bl")
+# Below this share of out-of-fold labels that are the artifact's nearest centroid, the folds
+# split the requests otherwise than the artifact did, and pooling their labels mixes clusters.
+STABLE_AGREEMENT = 0.8
 
 
 def gain_lines(gain: dict[str, Any], k: int) -> list[str]:
     """Header, one row per batch size, the verdict line."""
     cost = gain.get("cost_model")
-    level = round(100 * gain["confidence"])
-    lines = [
-        f"expected per-step gain of routing by centroid (k={k}), on {gain['num_holdout']}"
-        f" held-out requests' decode profiles, each arm the exact mean over every possible"
-        f" batch; {level}% intervals from a bootstrap over the requests"
-        f" ({gain['num_resamples']} resamples)",
-    ]
+    lines = [_header(gain, k)]
     if any("change" in row for row in gain["batches"]):
         lines.append(
             f"  {'batch':>5}  {'batches':>8}  {'same-cluster':>12}  {'random':>7}"
@@ -48,57 +47,122 @@ def gain_lines(gain: dict[str, Any], k: int) -> list[str]:
         if cost:
             line += f"  {_change(row['tpot_change'], row['tpot_change_ci']):<28}"
         lines.append(line + f"  {_WORDS[row['verdict']]}")
+    lines += _stability_note(gain, k)
     lines.append(verdict_line(gain))
     return lines
 
 
-def verdict_line(gain: dict[str, Any]) -> str:
-    verdict = gain["verdict"]
-    balancer = f"`--policy {BALANCERS[0]}` (or `{BALANCERS[1]}`)"
-    rows = [r for r in gain["batches"] if "verdict" in r]
-    if verdict == "gain":
-        best = min((r for r in rows if r["verdict"] == "gain"), key=_tpot_or_change)
-        tpot = (
-            f", TPOT {best['tpot_change']:+.1%} with the {gain['cost_model']} cost model"
-            if "tpot_change" in best else ""
+def _stability_note(gain: dict[str, Any], k: int) -> list[str]:
+    """Why a cross-fit may read less locality than the artifact's own clusters hold."""
+    agreement = gain.get("label_agreement")
+    if agreement is None or agreement >= STABLE_AGREEMENT:
+        return []
+    # Same-cluster batches of two mixed clusters touch more experts than either cluster's own
+    # (the miss probability is convex in the mix): the mismatch only shrinks the gain.
+    return [
+        f"  note: only {agreement:.0%} of the out-of-fold labels are the artifact's nearest"
+        f" centroid: the folds split the requests otherwise (k={k} clusters that are not"
+        " stable), so pooled batches mix clusters and the gain above likely understates what"
+        " the artifact's own clusters buy"
+    ]
+
+
+def _header(gain: dict[str, Any], k: int) -> str:
+    # Artifacts fit before the cross-fit carry no "method": their estimate is the held-out
+    # split's, labelled by the artifact's own centroids.
+    if gain.get("method") == "cross-fit":
+        requests = (
+            f"all {gain['num_holdout']} requests' decode profiles, each labelled by centroids"
+            f" fit without it ({gain['folds']}-fold cross-fit, clusters matched to the"
+            f" artifact's; {gain['label_agreement']:.0%} of the labels are the artifact's"
+            " nearest centroid)"
         )
-        others = [f"{_WORDS[r['verdict']]} at batch {r['batch_size']}"
-                  for r in rows if r["verdict"] != "gain"]
-        caveat = f" ({'; '.join(others)})" if others else ""
-        if any("skipped" in r for r in gain["batches"]):
-            caveat += "; larger batches need more held-out requests per cluster"
-        return (
-            f"verdict: expected gain: same-cluster decode batches of {best['batch_size']} use"
-            f" {-best['change']:.1%} fewer distinct experts per step{tpot}{caveat}. Route with"
-            f" `--policy {LOCALITY_POLICIES[0]}` (or `{LOCALITY_POLICIES[1]}` on two or three"
-            " decode workers)."
-        )
-    if verdict == "negligible":
-        return (
-            f"verdict: gain too small to matter: fewer distinct experts, but under"
-            f" {MIN_TPOT_GAIN:.0%} TPOT, less than centroid routing can cost in tail latency."
-            f" Use a load balancer: {balancer}."
-        )
-    if verdict == "none":
-        return (
-            "verdict: no expected gain: every interval includes zero, so on this data the"
-            " prefill signature does not predict which experts decode uses. Use a load"
-            f" balancer: {balancer}."
-        )
-    if verdict in ("worse", "mixed"):
-        return (
-            "verdict: no expected gain: same-cluster batches use more distinct experts at some"
-            f" batch sizes. Use a load balancer: {balancer}."
-        )
+    else:
+        requests = f"{gain['num_holdout']} held-out requests' decode profiles"
     return (
-        "verdict: cannot tell: too few held-out requests per cluster for any batch size (a"
-        f" batch of B needs clusters of {MEMBERS_PER_SLOT}B). Capture more signatures or"
-        " lower --k."
+        f"expected per-step gain of routing by centroid (k={k}), on {requests}, each arm the"
+        f" exact mean over every possible batch; {round(100 * gain['confidence'])}% intervals"
+        f" from a bootstrap over the requests ({gain['num_resamples']} resamples)"
     )
 
 
-def _tpot_or_change(row: dict[str, Any]) -> float:
-    return float(row.get("tpot_change", row["change"]))
+def verdict_line(gain: dict[str, Any]) -> str:
+    """The verdict, the batch sizes it rests on, and those it could not estimate."""
+    verdict = gain["verdict"]
+    balancer = f"Use a load balancer: `--policy {BALANCERS[0]}` (or `{BALANCERS[1]}`)."
+    rows = [r for r in gain["batches"] if "verdict" in r]
+    skipped = _not_estimated(gain["batches"])
+    caveat = f"; {skipped}" if skipped else ""
+    if verdict == "gain":
+        return (
+            f"verdict: expected gain at {_rests_on(rows, 'gain', gain)}"
+            f"{_others(rows, 'gain')}{caveat}. Route with `--policy {LOCALITY_POLICIES[0]}`"
+            f" (or `{LOCALITY_POLICIES[1]}` on two or three decode workers)."
+        )
+    if verdict == "negligible":
+        return (
+            f"verdict: gain too small to matter at {_rests_on(rows, 'negligible', gain)}: fewer"
+            f" distinct experts, but under {MIN_TPOT_GAIN:.0%} TPOT, less than centroid routing"
+            f" can cost in tail latency{_others(rows, 'negligible')}{caveat}. {balancer}"
+        )
+    if verdict == "none":
+        return (
+            f"verdict: no expected gain at {_batches(rows)}: every interval includes zero, so"
+            " on this data the prefill signature does not predict which experts decode uses"
+            f"{caveat}. {balancer}"
+        )
+    if verdict in ("worse", "mixed"):
+        return (
+            "verdict: no expected gain: same-cluster batches use more distinct experts at"
+            f" {_rests_on(rows, 'worse', gain)}{_others(rows, 'worse')}{caveat}. {balancer}"
+        )
+    return (
+        f"verdict: cannot tell: {skipped}. A batch of B needs clusters of {MEMBERS_PER_SLOT}B"
+        " requests: capture more signatures or lower --k."
+    )
+
+
+def _batches(rows: list[dict[str, Any]]) -> str:
+    """``batch 8``, ``batch 8 and 16``, ``batch 4, 8 and 16``."""
+    sizes = [str(r["batch_size"]) for r in rows]
+    listed = sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} and {sizes[-1]}"
+    return f"batch {listed}"
+
+
+def _rests_on(rows: list[dict[str, Any]], word: str, gain: dict[str, Any]) -> str:
+    """The batch sizes with verdict ``word`` and what each changes: TPOT where a cost model
+    predicted it, else distinct experts per step."""
+    picked = [r for r in rows if r["verdict"] == word]
+    changes = f"{_percents(r['change'] for r in picked)} distinct experts per step"
+    if all("tpot_change" in r for r in picked):
+        tpot = _percents(r["tpot_change"] for r in picked)
+        changes = f"{tpot} TPOT with the {gain['cost_model']} cost model; {changes}"
+    return f"{_batches(picked)} ({changes})"
+
+
+def _percents(values: Iterable[float]) -> str:
+    return ", ".join(f"{v:+.1%}" for v in values)
+
+
+def _others(rows: list[dict[str, Any]], word: str) -> str:
+    """``; within noise at batch 4; worse at batch 32``: the estimated sizes that say
+    otherwise, by what they say."""
+    parts = []
+    for other in ("gain", "negligible", "none", "worse"):
+        same = [r for r in rows if r["verdict"] == other]
+        if other != word and same:
+            parts.append(f"; {_WORDS[other]} at {_batches(same)}")
+    return "".join(parts)
+
+
+def _not_estimated(batches: list[dict[str, Any]]) -> str:
+    """``not estimated at 16: <why>; at 32: <why>`` over the batch sizes the estimate skipped,
+    empty when it skipped none."""
+    skipped = [r for r in batches if "skipped" in r]
+    if not skipped:
+        return ""
+    reasons = "; at ".join(f"{r['batch_size']}: {r['skipped']}" for r in skipped)
+    return f"not estimated at {reasons}"
 
 
 def _change(point: float, ci: list[float]) -> str:

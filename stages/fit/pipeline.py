@@ -1,11 +1,14 @@
 """``eldr fit``: signatures in, one stored artifact out (transform, centroids, metrics).
 
-Requests are split (seeded) into a training part, on which the transform and the centroids are
-fit, and a held-out part, which measures what routing by centroid buys: the distinct experts
-per layer that a decode batch of same-cluster requests activates, against random batches of
-the same size (the quantity ELDR shrinks; fewer distinct experts means less weight traffic per
-decode step). Per decode step, with an interval and the TPOT change it predicts, in
-``stages.fit.gain``; over a whole decode here.
+Requests are split (seeded) into a training part, on which the artifact's transform and
+centroids are fit, and a held-out part, which the simulator and the whole-decode metric here
+keep for requests the artifact never saw. What routing by centroid buys per decode step (the
+distinct experts per layer that a decode batch of same-cluster requests activates, against
+random batches of the same size: the quantity ELDR shrinks, fewer distinct experts meaning less
+weight traffic per step), with an interval and the TPOT change it predicts, is estimated on
+every request, each labelled by centroids fit without it (``stages.fit.cross_fit``,
+``stages.fit.gain``): a held-out fifth is too few requests per cluster for the batch sizes
+that matter.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
-from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain
+from stages.fit.cross_fit import Clustering, cross_fit_labels
+from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain, gain_from_labels
 from stages.fit.kmeans import balanced_spherical_kmeans
 from stages.signature.dataset import ModelIdentity
 from stages.signature.inclusion import inclusion_log_complement
@@ -42,11 +46,16 @@ class FitConfig:
     num_pairs: int = 30000
     max_iter: int = 50
     eval_batch_size: int = 8  # decode batch size for the held-out whole-decode metric
-    gain: GainConfig = field(default_factory=GainConfig)  # held-out per-step gain estimate
+    gain: GainConfig = field(default_factory=GainConfig)  # cross-fit per-step gain estimate
+    # Folds of the gain's cross-fit: each fit sees (folds - 1) / folds of the requests, as
+    # many as the artifact's own fit at the default holdout fraction.
+    folds: int = 5
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise EldrError(f"--k must be at least 1, got {self.k}")
+        if self.folds < 2:
+            raise EldrError(f"cross-fitting needs at least 2 folds, got {self.folds}")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise EldrError(f"holdout fraction must be in [0, 1), got {self.holdout_fraction}")
         if self.num_pairs < 1 or self.max_iter < 1 or self.eval_batch_size < 1:
@@ -65,52 +74,37 @@ def fit_artifact(
 ) -> Artifact:
     """Fit transform + (balanced) spherical k-means, save the artifact, return it as loaded.
 
-    ``cost`` turns the held-out distinct-expert estimate into a TPOT change; without it only
+    ``cost`` turns the per-step distinct-expert estimate into a TPOT change; without it only
     the expert counts are estimated.
     """
     say = progress or (lambda _msg: None)
     prefill, decode = _checked_counts(prefill_counts, decode_counts, identity)
     train, held = split_requests(len(prefill), config.holdout_fraction, config.seed)
-    if len(train) < max(config.k, 3):
-        raise EldrError(
-            f"{len(train)} training requests cannot make {config.k} clusters; capture more "
-            f"signatures or lower --k"
-        )
+    _check_enough(len(train), config.k, "training requests")
+    # The smallest cross-fit training part leaves out the largest fold.
+    _check_enough(len(prefill) - math.ceil(len(prefill) / config.folds), config.k,
+                  f"requests in a cross-fit training part ({config.folds} folds)")
     say(f"fitting the signature transform on {len(train)} requests ({len(held)} held out)")
-    try:
-        transform, rho_trace = fit_transform(
-            prefill[train], decode[train], seed=config.seed, num_pairs=config.num_pairs
-        )
-    except ValueError as exc:
-        raise EldrError(f"cannot fit the signature transform: {exc}") from exc
-    layers = np.flatnonzero(transform.layer_mask)
-    say(f"layer mask: {len(layers)} of {identity.num_layers} layers, rho {rho_trace[-1]:.4f}")
-    x = transform.apply(prefill[train])
-    kind = "balanced" if config.balanced else "plain"
-    say(f"{kind} spherical k-means, k={config.k}, {len(train)} x {transform.dim}")
-    km = balanced_spherical_kmeans(
-        x, config.k, config.seed, config.balanced, config.max_iter, progress=say
-    )
-    x_held = transform.apply(prefill[held])
-    step_profiles = np.stack([
-        inclusion_log_complement(d, identity.top_k, fallback=p)
-        for d, p in zip(decode[held], prefill[held], strict=True)
-    ]) if len(held) else np.zeros((0, identity.num_layers * identity.num_experts))
-    say(f"held-out gain: {len(held)} requests, batch sizes {list(config.gain.batch_sizes)}")
+    fitted = fit_clustering(prefill[train], decode[train], config, say)
+    transform, km = fitted.transform, fitted.kmeans
     metrics: dict[str, Any] = {
         "cluster_sizes": np.bincount(km.labels, minlength=config.k).tolist(),
         "mean_within_cluster_cosine": km.objective / len(train),
         "iterations": km.iterations,
         "assignment_gap_bound": km.assignment_gap,
-        "rho_trace": rho_trace,
-        "layers": layers.tolist(),
+        "rho_trace": fitted.rho_trace,
+        "layers": np.flatnonzero(transform.layer_mask).tolist(),
         "holdout": holdout_metrics(
-            x_held, decode[held], km.centroids, config.eval_batch_size,
+            transform.apply(prefill[held]), decode[held], km.centroids, config.eval_batch_size,
             np.random.default_rng(config.seed + 1),
         ),
-        "expected_gain": estimate_gain(
-            x_held, km.centroids, step_profiles, identity.num_layers, config.gain,
-            np.random.default_rng(config.seed + 2), cost,
+        "expected_gain": cross_fit_gain(prefill, decode, identity, fitted, config, say, cost),
+        # The same estimate on the held-out requests only, with the artifact's own centroids:
+        # the locality dial measures simulated datasets this way and places this value on it.
+        "holdout_gain": estimate_gain(
+            transform.apply(prefill[held]), km.centroids,
+            step_profiles(prefill[held], decode[held], identity), identity.num_layers,
+            config.gain, np.random.default_rng(config.seed + 2), cost,
         ),
         "warnings": fit_warnings(
             len(train), config.k, km.objective / len(train), config.holdout_fraction
@@ -132,6 +126,81 @@ def fit_artifact(
     )
     say(f"saved artifact {version} in {store.root}")
     return store.load(version)
+
+
+def fit_clustering(
+    prefill: np.ndarray,
+    decode: np.ndarray,
+    config: FitConfig,
+    progress: Callable[[str], None] | None = None,
+) -> Clustering:
+    """The signature transform and (balanced) spherical k-means fit on these requests: the
+    artifact's fit, and each cross-fit fold's."""
+    say = progress or (lambda _msg: None)
+    try:
+        transform, rho_trace = fit_transform(
+            prefill, decode, seed=config.seed, num_pairs=config.num_pairs
+        )
+    except ValueError as exc:
+        raise EldrError(f"cannot fit the signature transform: {exc}") from exc
+    layers = int(transform.layer_mask.sum())
+    say(f"layer mask: {layers} of {transform.num_layers} layers, rho {rho_trace[-1]:.4f}")
+    x = transform.apply(prefill)
+    kind = "balanced" if config.balanced else "plain"
+    say(f"{kind} spherical k-means, k={config.k}, {len(prefill)} x {transform.dim}")
+    km = balanced_spherical_kmeans(
+        x, config.k, config.seed, config.balanced, config.max_iter, progress=say
+    )
+    return Clustering(transform=transform, kmeans=km, rho_trace=rho_trace)
+
+
+def cross_fit_gain(
+    prefill: np.ndarray,
+    decode: np.ndarray,
+    identity: ModelIdentity,
+    reference: Clustering,
+    config: FitConfig,
+    progress: Callable[[str], None],
+    cost: StepTimeModel | None,
+) -> dict[str, Any]:
+    """The per-step gain on every request, each labelled by a fit on the other folds and
+    named by ``reference``'s (the artifact's) clusters."""
+    progress(f"per-step gain: {config.folds}-fold cross-fit over all {len(prefill)} requests,"
+             f" batch sizes {list(config.gain.batch_sizes)}")
+    crossed = cross_fit_labels(
+        prefill, reference, config.folds, config.seed,
+        fit=lambda rows: fit_clustering(prefill[rows], decode[rows], config),
+        progress=progress,
+    )
+    gain = gain_from_labels(
+        crossed.labels, config.k, step_profiles(prefill, decode, identity),
+        identity.num_layers, config.gain, np.random.default_rng(config.seed + 2), cost,
+    )
+    return {
+        "method": "cross-fit",
+        "folds": crossed.folds,
+        "label_agreement": crossed.agreement,
+        **gain,
+    }
+
+
+def step_profiles(
+    prefill: np.ndarray, decode: np.ndarray, identity: ModelIdentity
+) -> np.ndarray:
+    """``[n, L*E]`` each request's per-step decode profile, ``log(1 - pi)``."""
+    if not len(decode):
+        return np.zeros((0, identity.num_layers * identity.num_experts))
+    return np.stack([
+        inclusion_log_complement(d, identity.top_k, fallback=p)
+        for d, p in zip(decode, prefill, strict=True)
+    ])
+
+
+def _check_enough(rows: int, k: int, what: str) -> None:
+    if rows < max(k, 3):
+        raise EldrError(
+            f"{rows} {what} cannot make {k} clusters; capture more signatures or lower --k"
+        )
 
 
 def split_requests(n: int, holdout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -114,7 +114,10 @@ def locality_gauge(
     """The gauge of a simulation on a dataset (its ``content_hash`` and size) with
     ``artifact``, marking the gain ``reference`` (an `eldr fit` artifact, the same or the
     user's) stored; None when that fit estimated no batch size."""
-    found = first_estimated(reference.metrics.get("expected_gain", {}))
+    # The held-out estimate with the artifact's centroids, as the dial measures its points
+    # (an artifact from before the cross-fit has it as its expected gain).
+    metrics = reference.metrics
+    found = first_estimated(metrics.get("holdout_gain", metrics.get("expected_gain", {})))
     if found is None:
         return None
     rows = held_out_rows(artifact.params, artifact.dataset_hash, dataset_hash, num_rows)
