@@ -46,6 +46,10 @@ def serve(
         help="URL of a running prefill worker (repeat); starts no workers.")] = None,
     attach_decode: Annotated[list[str] | None, typer.Option(
         help="URL of a running decode worker (repeat); starts no workers.")] = None,
+    attach_batch: Annotated[list[str] | None, typer.Option(
+        help="With --attach-decode: where each decode worker publishes its running batch (repeat,"
+        " in --attach-decode order; `eldr worker-args decode --publish-batch`), so several"
+        " proxies each route on every proxy's requests.", show_default=False)] = None,
     proxy_workers: Annotated[int, typer.Option(
         help="Proxy processes on --port (the kernel spreads connections over them): one relays"
         " about one core's worth of requests and tokens. Admin changes reach all of them and"
@@ -120,6 +124,7 @@ def serve(
         policy_config=policy_config(policy_options), artifact=artifact, store=store, host=host,
         port=port, worker_port=worker_port, nixl_port=nixl_port,
         attach_prefill=tuple(attach_prefill or ()), attach_decode=tuple(attach_decode or ()),
+        attach_batch=tuple(attach_batch or ()),
         proxy_workers=proxy_workers, peers=tuple(peer or ()),
         online_refit=online_refit, worker_cores=worker_cores, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, max_queued=max_queued, enforce_eager=enforce_eager,

@@ -12,6 +12,10 @@ import typer
 def worker_args(
     role: Annotated[str, typer.Argument(help="prefill, decode, or plain (no PD hand-off).")]
     = "decode",
+    publish_batch: Annotated[str | None, typer.Option(
+        help="decode: publish the running batch on this ZMQ endpoint (e.g. tcp://*:5600), for"
+        " several proxies in front of the worker (eldr serve --attach-batch).",
+        show_default=False)] = None,
 ) -> None:
     """Print the `vllm serve` flags that make a worker record signatures for eldr (use with
     `eldr serve --attach-prefill/--attach-decode`). vLLM's default compiled mode is fine."""
@@ -20,5 +24,9 @@ def worker_args(
 
     if role not in ("prefill", "decode", "plain"):
         raise EldrError(f"role must be prefill, decode or plain, not {role!r}")
-    config = json.dumps(kv_transfer_config(role), separators=(",", ":"))
+    if publish_batch is not None and (role != "decode" or not publish_batch.startswith("tcp://")):
+        raise EldrError("--publish-batch is a decode worker's tcp:// endpoint, e.g."
+                        " tcp://*:5600")
+    config = json.dumps(kv_transfer_config(role, publish_batch=publish_batch),
+                        separators=(",", ":"))
     typer.echo(f"--kv-transfer-config {shlex.quote(config)}")

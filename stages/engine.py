@@ -56,6 +56,8 @@ class ServerSpec:
     kv_cache_gib: int = 1
     cpu_cores: str | None = None  # e.g. "0" or "0-1"; None lets vLLM decide
     nixl_side_channel_port: int | None = None
+    # A decode worker's port for publishing its running batch to the proxies (loopback).
+    batch_port: int | None = None
     enable_prefix_caching: bool = True
     eldr_plugin: bool = True
     count_decode: bool = False
@@ -76,20 +78,30 @@ class ServerSpec:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def batch_endpoint(self) -> str | None:
+        """Where the proxies subscribe to this worker's batch (stages.capture.batch_publisher)."""
+        return None if self.batch_port is None else f"tcp://127.0.0.1:{self.batch_port}"
+
 
 def kv_transfer_config(
-    role: str, count_decode: bool = False, nixl_compat_check: bool = True
+    role: str, count_decode: bool = False, nixl_compat_check: bool = True,
+    publish_batch: str | None = None,
 ) -> dict[str, object]:
     """eldr's signature connector, composed with NixlConnector for prefill/decode roles.
 
     Composition goes through vLLM's own ``MultiConnector``; eldr's connector is listed first so
     the ``kv_transfer_params`` dict a finished prefill returns is the one it fills in.
+    ``publish_batch``: the ZMQ endpoint a decode worker publishes its running batch on.
     """
     buffer = {"kv_buffer_device": "cpu"} if on_cpu() else {}
+    extra: dict[str, object] = {"count_decode": count_decode}
+    if publish_batch is not None:
+        extra["publish_batch"] = publish_batch
     eldr: dict[str, object] = {
         "kv_connector": SIGNATURE_CONNECTOR,
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"count_decode": count_decode},
+        "kv_connector_extra_config": extra,
     }
     if role not in ("prefill", "decode"):
         return eldr
@@ -144,7 +156,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     else:
         argv += ["--no-enable-prefix-caching"]
     if spec.eldr_plugin:
-        config = kv_transfer_config(spec.role, spec.count_decode, spec.nixl_compat_check)
+        config = kv_transfer_config(spec.role, spec.count_decode, spec.nixl_compat_check,
+                                    spec.batch_endpoint)
         argv += ["--kv-transfer-config", json.dumps(config)]
     argv += list(spec.extra_args)
 

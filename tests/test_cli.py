@@ -294,6 +294,7 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
             self.spec = spec
             self.specs: list[object] = []
             self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
+            self.decode_batch_endpoints = ["tcp://127.0.0.1:3"]
 
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             raise EldrError("stopped before starting vLLM")
@@ -351,6 +352,7 @@ def test_serve_on_an_open_address_without_a_key_is_refused_unless_insecure(
             self.spec = spec
             self.specs: list[object] = []
             self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
+            self.decode_batch_endpoints = ["tcp://127.0.0.1:3"]
 
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             raise EldrError("stopped before starting vLLM")
@@ -492,6 +494,7 @@ def test_serve_self_checks_started_workers_for_eldr_union(
             self.specs: list[object] = []
             self.servers: list[object] = []
             self.prefill_urls, self.decode_urls = serving.urls[:1], serving.urls[1:]
+            self.decode_batch_endpoints = [None] * len(self.decode_urls)
 
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             pass

@@ -128,13 +128,27 @@ def test_two_processes_share_the_port_the_admin_changes_and_the_metrics(
             proc.wait()
 
 
+def _names_seen(url: str, count: int, timeout_s: float = 60) -> set[str]:
+    """The proxies answering at ``url`` once ``count`` of them did (each new connection may
+    reach any of them)."""
+    names: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(names) < count and time.monotonic() < deadline:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            names.add(client.get("/admin/state").json()["proxy"])
+    assert len(names) == count, names
+    return names
+
+
 def test_a_killed_first_process_takes_the_others_with_it(
         workers: list[BackgroundServer]) -> None:
     port = free_port()
     proc = _group(workers, port, 3)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", 60, proc.poll, interval_s=0.1)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, 60, proc.poll, interval_s=0.1)
         children = _children(proc.pid, 2)
+        _names_seen(url, 3)  # every process serving
         proc.kill()
         proc.wait()
         assert _wait_gone(children, 10), [p for p in children if _alive(p)]
@@ -143,6 +157,20 @@ def test_a_killed_first_process_takes_the_others_with_it(
             proc.kill()
         for pid in _children_left(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_first_process_killed_while_the_others_start_leaves_none(
+        workers: list[BackgroundServer]) -> None:
+    """Killed before the others could ask the kernel to follow it: they see it gone and end."""
+    proc = _group(workers, free_port(), 3)
+    try:
+        children = _children(proc.pid, 2)  # spawned, most likely still importing
+        proc.kill()
+        proc.wait()
+        assert _wait_gone(children, 30), [p for p in children if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _children_left(pid: int) -> list[int]:

@@ -365,6 +365,73 @@ def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) ->
     assert len(both.measurements) == len(result.measurements) + len(again.measurements)
 
 
+def _vllm_load(decode_url: str) -> int:
+    """Requests a vLLM worker holds now (running and waiting), from its own metrics."""
+    text = httpx.get(f"{decode_url}/metrics", timeout=10).text
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(("vllm:num_requests_running{",
+                                         "vllm:num_requests_waiting{"))))
+
+
+def _routing_view(control_url: str) -> list[int]:
+    workers = httpx.get(f"{control_url}/admin/state", timeout=10).json()["decode_workers"]
+    return [w["in_flight"] + w["others_in_flight"] for w in workers]
+
+
+def _proxy_addresses(url: str) -> list[str]:
+    """One address per process of the proxy group at ``url`` (each one's peers name the
+    others; the kernel hands new connections to either)."""
+    peers: dict[str, list[str]] = {}
+    deadline = time.monotonic() + 30
+    while len(peers) < 2 and time.monotonic() < deadline:
+        state = httpx.get(f"{url}/admin/state", timeout=10).json()
+        peers[state["proxy"]] = state["peers"]
+    assert len(peers) == 2, peers
+    return sorted({u for named in peers.values() for u in named})
+
+
+def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_worker(
+    deployment: Deployment,
+) -> None:
+    """A second `eldr serve --attach-* --attach-batch --proxy-workers 2` in front of the same
+    workers: with streams from both running, each of the three proxies sees on each decode
+    worker what vLLM holds, within one request (its own requests, and the others' as the
+    workers publish them), and answers as a single proxy does."""
+    state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
+    endpoints = [w["batch_endpoint"] for w in state["decode_workers"]]
+    assert all(e and e.startswith("tcp://127.0.0.1:") for e in endpoints), endpoints
+    args = ["--model", "tiny", "--policy", "jsq", "--proxy-workers", "2"]
+    for url in deployment.prefill_urls:
+        args += ["--attach-prefill", url]
+    for url, endpoint in zip(deployment.decode_urls, endpoints, strict=True):
+        args += ["--attach-decode", url, "--attach-batch", endpoint]
+    httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "jsq"},
+               timeout=10).raise_for_status()
+    with running_serve(args, deployment.home, timeout_s=180) as group:
+        proxies = [deployment.proxy_url, *_proxy_addresses(group.url)]
+        body = {"model": "tiny", "max_tokens": 160, "ignore_eos": True, "temperature": 0}
+        samples: list[tuple[list[int], list[list[int]]]] = []
+        with ThreadPoolExecutor(6) as pool:
+            streams = [pool.submit(httpx.post, f"{url}/v1/completions",
+                                   json={**body, "prompt": PROMPTS[i % 3]}, timeout=300)
+                       for i, url in enumerate([deployment.proxy_url, group.url] * 3)]
+            while not all(f.done() for f in streams):
+                truth = [_vllm_load(url) for url in deployment.decode_urls]
+                views = [_routing_view(url) for url in proxies]
+                if sum(truth) >= 2:
+                    samples.append((truth, views))
+                time.sleep(0.2)
+            assert all(f.result().status_code == 200 for f in streams)
+        close = [max(abs(v - t) for view in views for v, t in zip(view, truth, strict=True)) <= 1
+                 for truth, views in samples]
+        assert len(samples) >= 5 and sum(close) >= 0.7 * len(samples), samples
+        assert [_complete(group.url, p) for p in PROMPTS] == [
+            deployment.reference[p] for p in PROMPTS]
+        print(f"\n{sum(close)} of {len(samples)} samples: every proxy within one request of"
+              f" vLLM on every decode worker (last: vLLM {samples[-1][0]}, proxies"
+              f" {samples[-1][1]})")
+
+
 def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployment) -> None:
     """Non-streamed requests have sent nothing yet, so all must succeed via retries."""
     httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "rr"},

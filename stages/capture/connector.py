@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
+from stages.capture.batch_publisher import BatchPublisher, request_name
 from stages.capture.kv_group import signature_group
 from stages.capture.ledger import SignatureLedger
 from stages.capture.messages import StepPlan, StepReport
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+# kv_connector_extra_config key: the ZMQ endpoint a decode worker publishes its batch on.
+PUBLISH_BATCH_KEY = "publish_batch"
 
 
 def restore_compute_affinity() -> None:
@@ -99,9 +103,13 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_report: StepReport | None = None
         self._stats = EldrConnectorStats()
         self._reported_failure = False  # logged once per engine, counted every time
+        self._publisher: BatchPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._ledger = SignatureLedger(group.block_size, None, self._count_decode,
                                            group=group.index)
+            endpoint = extra.get(PUBLISH_BATCH_KEY)
+            if endpoint:  # a decode worker of eldr serve: the proxies subscribe to its batch
+                self._publisher = BatchPublisher(str(endpoint))
         else:
             self._recorder = SignatureRecorder(
                 kv_cache_config.num_blocks, group.block_size,
@@ -162,6 +170,11 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        # The scheduler's first look at a request (again each time it could not place it).
+        if self._publisher is not None:
+            self._publisher.add(
+                request.request_id, request_name(request.request_id, request.kv_transfer_params)
+            )
         return 0, False
 
     def update_state_after_alloc(
@@ -200,6 +213,8 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._ledger is not None
+        if self._publisher is not None:
+            self._publisher.remove(request.request_id)
         return False, self._ledger.finished(request.request_id)
 
     def request_finished_all_groups(
@@ -207,6 +222,10 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         # The ledger tracked the request's blocks itself; which ones it holds now is not needed.
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def shutdown(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._stats.is_empty():

@@ -41,6 +41,7 @@ class ServeOptions:
     nixl_port: int | None = None
     attach_prefill: tuple[str, ...] = ()
     attach_decode: tuple[str, ...] = ()
+    attach_batch: tuple[str, ...] = ()  # each attached decode worker's batch endpoint
     proxy_workers: int = 1  # proxy processes on --port
     peers: tuple[str, ...] = ()  # --peer: other proxies in front of the same workers
     online_refit: bool = False
@@ -88,6 +89,14 @@ class ServeOptions:
         for name, key in (("--api-key", self.api_key), ("--admin-api-key", self.admin_api_key),
                           ("--worker-api-key", self.worker_api_key)):
             check_key(name, key)
+        if self.attach_batch and len(self.attach_batch) != len(self.attach_decode):
+            raise EldrError(f"--attach-batch names {len(self.attach_batch)} endpoints for"
+                            f" {len(self.attach_decode)} --attach-decode workers: one each, in"
+                            " the same order")
+        bad = [e for e in self.attach_batch if not e.startswith("tcp://")]
+        if bad:
+            raise EldrError(f"--attach-batch {bad[0]!r}: a tcp:// endpoint, e.g."
+                            " tcp://d0:5600")
         if not self.attach:
             return
         for flag, given in (("--vllm-arg", bool(self.vllm_args)),
@@ -146,11 +155,14 @@ def plan(options: ServeOptions) -> ServePlan:
     # The cluster's specs (cores, free worker and NIXL ports) are checked as it is built, and
     # the proxy's config on the URLs the workers will have.
     cluster = None
+    batch_endpoints: tuple[str | None, ...] = ()
     if o.attach:
         prefill_urls, decode_urls = o.attach_prefill, o.attach_decode
+        batch_endpoints = o.attach_batch
     else:
         cluster = _cluster(o, model, prefill_model, extra_args)
         prefill_urls, decode_urls = tuple(cluster.prefill_urls), tuple(cluster.decode_urls)
+        batch_endpoints = tuple(cluster.decode_batch_endpoints)
     use_store = needs_centroids(o.policy) or store.exists()
     config = ProxyConfig(
         prefill_urls=prefill_urls, decode_urls=decode_urls, policy=o.policy,
@@ -163,7 +175,7 @@ def plan(options: ServeOptions) -> ServePlan:
         # Checked in ``run`` before the proxy opens; the proxy checks each worker that rejoins.
         self_check=None if o.skip_self_check else model.identity,
         checked_at_start=not o.skip_self_check, skip_self_check=o.skip_self_check,
-        host=o.host, peers=o.peers,
+        host=o.host, peers=o.peers, decode_batch_endpoints=batch_endpoints,
     )
     check_free("--port", [o.port], o.host)
     return ServePlan(o, model, prefill_model, cluster, config, warning)
@@ -180,10 +192,12 @@ def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel
         enforce_eager=o.enforce_eager, extra_args=extra_args, prefill_tp=o.prefill_tp,
         decode_tp=o.decode_tp,
     ))
-    taken = {s.port for s in cluster.specs} | {s.nixl_side_channel_port for s in cluster.specs}
+    taken = {p for s in cluster.specs
+             for p in (s.port, s.nixl_side_channel_port, s.batch_port) if p is not None}
     if o.port in taken:
         raise EldrError(f"--port {o.port} is also a port of a started worker (--worker-port"
-                        f" {o.worker_port}, {o.prefill + o.decode} workers, or --nixl-port)")
+                        f" {o.worker_port}, {o.prefill + o.decode} workers, --nixl-port, or a"
+                        " decode worker's batch publisher)")
     return cluster
 
 

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from stages.capture.batch_publisher import BatchPublisher, request_name
 from stages.serve.proxy.self_check import PROBE_PROMPT
 from stages.signature import wire
 
@@ -90,6 +91,8 @@ class FakeBehavior:
     self_check_reply: bytes | None = None
     received: list[Received] = field(default_factory=list)
     record: bool = True  # False: keep nothing (a capacity bench's millions of requests)
+    # Publishes the streams it holds as a decode worker with eldr's connector does.
+    publisher: BatchPublisher | None = None
     handed_off: int = 0  # prefill hand-offs so far (distinct block ids without ``received``)
 
     def reset(self) -> None:
@@ -182,6 +185,17 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
             return Response(orjson.dumps(data), media_type="application/json", headers=headers)
 
         async def events() -> AsyncIterator[bytes]:
+            held = request.headers.get("x-request-id", "") + f"-{id(body)}"
+            if behavior.publisher is not None:
+                behavior.publisher.add(held, request_name(held, body.get("kv_transfer_params")))
+            try:
+                async for event in _events():
+                    yield event
+            finally:
+                if behavior.publisher is not None:
+                    behavior.publisher.remove(held)
+
+        async def _events() -> AsyncIterator[bytes]:
             if behavior.stream_error:
                 err = {"error": {"message": "KV load failed", "type": "InternalServerError"}}
                 yield b"data: " + orjson.dumps(err) + b"\n\n"

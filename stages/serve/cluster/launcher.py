@@ -148,8 +148,10 @@ def side_channel_ports(spec: ClusterSpec) -> list[int]:
     return nixl
 
 
-def worker_specs(spec: ClusterSpec, nixl_ports: list[int]) -> list[ServerSpec]:
-    """The workers' specs, prefill workers first; ``nixl_ports`` has one port per worker."""
+def worker_specs(spec: ClusterSpec, nixl_ports: list[int],
+                 batch_ports: list[int] | None = None) -> list[ServerSpec]:
+    """The workers' specs, prefill workers first; ``nixl_ports`` has one port per worker,
+    ``batch_ports`` one per decode worker (None: they publish no batch)."""
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
     allowed = sorted(os.sched_getaffinity(0)) if on_cpu() else []
     if spec.worker_cores is not None:
@@ -175,6 +177,7 @@ def worker_specs(spec: ClusterSpec, nixl_ports: list[int]) -> list[ServerSpec]:
             kv_cache_gib=spec.kv_cache_gib,
             cpu_cores=binding[i],
             nixl_side_channel_port=nixl_ports[i],
+            batch_port=batch_ports[i - spec.prefill] if batch_ports and role == "decode" else None,
             nixl_compat_check=not mixed,
             enforce_eager=spec.enforce_eager,
             tensor_parallel_size=spec.tp(role),
@@ -221,7 +224,9 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         check_free("--worker-port", worker_ports(spec))
-        self.specs = worker_specs(spec, side_channel_ports(spec))
+        nixl = side_channel_ports(spec)
+        batch = free_ports(spec.decode, avoid=[*worker_ports(spec), *nixl])
+        self.specs = worker_specs(spec, nixl, batch)
         self.servers: list[VllmServer] = []  # in spec order, once all are ready
         self._starting: dict[int, VllmServer] = {}  # spec index -> started, while starting
 
@@ -267,6 +272,10 @@ class Cluster:
     @property
     def decode_urls(self) -> list[str]:
         return [s.url for s in self.specs if s.role == "decode"]
+
+    @property
+    def decode_batch_endpoints(self) -> list[str | None]:
+        return [s.batch_endpoint for s in self.specs if s.role == "decode"]
 
     def stop(self) -> None:
         """Signal every worker first, then wait: all shut down in parallel."""

@@ -78,6 +78,18 @@ async def drain_worker(request: Request) -> Response:
                       param="name")
 
 
+def _published(state: ProxyState, index: int) -> dict[str, Any]:
+    """What the decode worker last published of its batch, when it publishes one."""
+    batches = state.decode.published
+    if batches is None:
+        return {}
+    age = batches.age_s(index)
+    return {"batch_endpoint": state.config.decode_batch_endpoints[index],
+            "published_requests": int(batches.published[index]),
+            "others_in_flight": int(batches.others[index]),
+            "published_age_s": None if age is None else round(age, 3)}
+
+
 def snapshot(state: ProxyState) -> dict[str, Any]:
     router = state.router
     clusters = router.clusters_of_worker(state.decode.eligible())
@@ -101,6 +113,7 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
                 "in_flight": w.in_flight,
                 "healthy": w.healthy,
                 "clusters": clusters[w.index],
+                **_published(state, w.index),
                 "last_error": w.last_error,
                 "restarts": state.restarts(w.url),
                 "self_check": _worker_checks(state, "decode", w.index),

@@ -41,6 +41,6 @@ def admit(state: ProxyState) -> None:
     limit = state.config.admission_limit
     if limit is None:
         return
-    in_flight = state.in_flight()
+    in_flight = state.cluster_load()
     if in_flight >= limit:
         raise Overloaded(in_flight, limit)

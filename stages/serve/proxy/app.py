@@ -33,6 +33,7 @@ from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.health import health_loop
 from stages.serve.proxy.metrics import RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, balanced_fit
+from stages.serve.proxy.published_batches import follow_batches
 from stages.serve.proxy.refit_task import refit_loop
 from stages.serve.proxy.responses import InternalErrorMiddleware, http_error
 from stages.serve.proxy.state import ProxyState, build_state
@@ -70,6 +71,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             loops.append(
                 ("eldr-refit", refit_loop(state.router, state.metrics, c.refit_interval_s))
             )
+        if state.decode.published is not None:
+            loops.append(("eldr-batches", follow_batches(
+                c.decode_batch_endpoints, state.decode.published, c.batch_stale_after_s)))
         tasks = [asyncio.create_task(coro, name=name) for name, coro in loops]
         for task in tasks:
             task.add_done_callback(_report_crash)

@@ -75,6 +75,11 @@ class ProxyConfig:
     peers: tuple[str, ...] = ()
     # This proxy's name among its peers: the `proxy` label of the merged /metrics.
     proxy_id: str = "0"
+    # Where each decode worker publishes its running batch (ZMQ; None for one that does not),
+    # in decode_urls order; empty: none do. Routing then adds the other proxies' requests.
+    decode_batch_endpoints: tuple[str | None, ...] = ()
+    # A worker silent this long is taken to hold none of the other proxies' requests.
+    batch_stale_after_s: float = 2.0
     # --skip-self-check: the workers may be plain vLLM, so no policy may read signatures.
     skip_self_check: bool = False
     # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and /admin/*, and
@@ -99,6 +104,11 @@ class ProxyConfig:
         object.__setattr__(self, "prefill_urls", tuple(u.rstrip("/") for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls", tuple(u.rstrip("/") for u in self.decode_urls))
         object.__setattr__(self, "peers", tuple(u.rstrip("/") for u in self.peers))
+        object.__setattr__(self, "decode_batch_endpoints", tuple(self.decode_batch_endpoints))
+        if self.decode_batch_endpoints and len(self.decode_batch_endpoints) != len(
+                self.decode_urls):
+            raise EldrError(f"{len(self.decode_batch_endpoints)} batch endpoints for"
+                            f" {len(self.decode_urls)} decode workers")
         if self.artifact_store is not None:
             object.__setattr__(self, "artifact_store", Path(self.artifact_store))
         if not self.prefill_urls:
@@ -124,6 +134,7 @@ class ProxyConfig:
             "refit_window_s",
             "refit_interval_s",
             "self_check_timeout_s",
+            "batch_stale_after_s",
         ):
             if not getattr(self, name) > 0:
                 raise EldrError(f"{name} must be > 0, got {getattr(self, name)}")

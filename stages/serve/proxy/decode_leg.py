@@ -68,7 +68,10 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
     """Decode on the policy's worker, retrying elsewhere until something reached the client."""
     state = ctx.state
     pool, router, metrics = state.decode, state.router, state.metrics
-    payload = ctx.legs.decode_payload(handoff.kv)
+    # The name the request goes by on a decode worker that publishes its batch (None: no
+    # worker does): each hand-off's request id, as a retry's is its own.
+    tag = ctx.request_id if pool.published is not None else None
+    payload = ctx.legs.decode_payload(handoff.kv, tag)
     tried: list[int] = []
     failures: list[str] = []
     refreshes = 0
@@ -86,7 +89,7 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
         metrics.decisions.labels(router.policy_name, pool.name(worker)).inc()
         if attempt:
             metrics.retries.labels("decode").inc()
-        lease = pool.acquire(worker, on_complete)
+        lease = pool.acquire(worker, on_complete, tag)
         outcome = await _attempt(ctx, lease, payload)
         if not isinstance(outcome, Failure):
             pool.record_success(worker)
@@ -103,7 +106,8 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
             # prefill worker under the original id, and NIXL tracks hand-offs by request id.
             refreshes += 1
             retry = ctx.with_request_id(f"{ctx.request_id}-retry{refreshes}")
-            payload = ctx.legs.decode_payload(await run_prefill(retry))
+            tag = retry.request_id if tag is not None else None
+            payload = ctx.legs.decode_payload(await run_prefill(retry), tag)
     if not tried:
         raise ProxyError(503, "no healthy decode worker", "no_decode_worker")
     raise ProxyError(

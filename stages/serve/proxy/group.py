@@ -82,7 +82,8 @@ def serve_group(
     others = _Others([
         ctx.Process(
             target=_serve_one, name=f"eldr-proxy-{i}", daemon=False,
-            args=(configs[i], [public[i], control[i]], log_level, drain_timeout_s),
+            args=(configs[i], [public[i], control[i]], log_level, drain_timeout_s,
+                  os.getpid()),
         )
         for i in range(1, processes)
     ])
@@ -99,12 +100,14 @@ def serve_group(
 
 
 def _serve_one(config: ProxyConfig, sockets: list[socket.socket], log_level: str,
-               drain_timeout_s: float) -> None:
+               drain_timeout_s: float, parent: int) -> None:
     os.setsid()  # a terminal's Ctrl-C goes to process 0, which passes it on once
     if owns_processes():
         from stages.procs.linux import die_with_parent
 
         die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above: nothing will kill this one
+        return
     run_proxy(config, log_level=log_level, drain_timeout_s=drain_timeout_s, sockets=sockets)
 
 

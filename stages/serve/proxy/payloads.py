@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from stages.capture.batch_publisher import REQUEST_TAG
 from stages.serve.proxy.request_body import dump_json, lax_int
 from stages.signature import wire
 
@@ -47,8 +48,9 @@ class Legs:
     stream: bool
     lax_json: bool  # the body holds values only the stdlib's JSON writes back as they came
 
-    def decode_payload(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
-        return dump_json(decode_body(self.body, kv_transfer_params), self.lax_json)
+    def decode_payload(self, kv_transfer_params: dict[str, Any] | None,
+                       tag: str | None = None) -> bytes:
+        return dump_json(decode_body(self.body, kv_transfer_params, tag), self.lax_json)
 
 
 def plan_legs(body: dict[str, Any], chat: bool, lax_json: bool = False) -> Legs:
@@ -88,10 +90,15 @@ def _min_tokens(body: dict[str, Any]) -> int:
 
 
 def decode_body(
-    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None
+    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None, tag: str | None = None
 ) -> dict[str, Any]:
+    """``tag``: the name a decode worker that publishes its batch gives the request
+    (``batch_publisher.REQUEST_TAG``), so the proxy that sent it knows it for its own."""
     out = dict(body)
-    if kv_transfer_params is None:
+    if tag is not None:
+        params = {k: v for k, v in (kv_transfer_params or {}).items() if k not in _SIGNATURE_KEYS}
+        out["kv_transfer_params"] = {**params, REQUEST_TAG: tag}
+    elif kv_transfer_params is None:
         # No hand-off (prefill ran without a KV connector): the decode worker recomputes the
         # prompt, which is slower but correct, so do not forward a stale client value either.
         out.pop("kv_transfer_params", None)

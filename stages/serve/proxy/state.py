@@ -15,6 +15,7 @@ from stages.serve.proxy.decode_router import DecodeRouter
 from stages.serve.proxy.metrics import ProxyMetrics, RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.proxy.prefill_router import PrefillRouter
+from stages.serve.proxy.published_batches import PublishedBatches
 from stages.serve.proxy.rejoin import SelfChecks
 from stages.serve.proxy.upstream import leg_timeout
 from stages.serve.proxy.workers import WorkerPool
@@ -44,8 +45,13 @@ class ProxyState:
     draining: bool = False
 
     def in_flight(self) -> int:
-        """Requests on a worker now, prefilling or decoding."""
-        return int(self.decode.loads().sum() + self.prefill.loads().sum())
+        """This proxy's requests on a worker now, prefilling or decoding."""
+        return int(self.decode.own_loads().sum() + self.prefill.own_loads().sum())
+
+    def cluster_load(self) -> int:
+        """Requests on a worker now: this proxy's, and the other proxies' that the decode
+        workers publish (admission bounds the cluster's queue, not one proxy's share)."""
+        return int(self.decode.loads().sum() + self.prefill.own_loads().sum())
 
     def __post_init__(self) -> None:
         c = self.config
@@ -98,7 +104,10 @@ def build_state(
             seed=config.seed,
             fit_fn=refit_fn,
         )
-    decode = WorkerPool(config.decode_urls, "decode", config.ejection)
+    published = None
+    if config.decode_batch_endpoints:
+        published = PublishedBatches(len(config.decode_urls), config.batch_stale_after_s)
+    decode = WorkerPool(config.decode_urls, "decode", config.ejection, published=published)
     prefill = WorkerPool(config.prefill_urls, "prefill", config.ejection)
     checks = None
     if config.self_check is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.errors import EldrError
+from stages.serve.proxy.published_batches import PublishedBatches
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,15 @@ class WorkerView:
 
 
 class WorkerPool:
+    """``published``: the other proxies' requests on these workers, as the workers publish
+    them (decode workers of several proxies); routing sees them added to this proxy's own."""
+
     def __init__(self, urls: Iterable[str], role: str, ejection: Ejection | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 published: PublishedBatches | None = None) -> None:
         self.urls: tuple[str, ...] = tuple(urls)
         self.role = role
+        self.published = published
         self.ejection = ejection or Ejection()
         self._clock = clock
         n = len(self.urls)
@@ -79,9 +85,18 @@ class WorkerPool:
         return f"{self.role}-{index}"
 
     def loads(self) -> np.ndarray:
+        """Requests on each worker as routing sees them: this proxy's, and the others' where
+        the workers publish them."""
+        if self.published is None:
+            return self._inflight.copy()
+        return self._inflight + self.published.others
+
+    def own_loads(self) -> np.ndarray:
+        """Requests this proxy has in flight on each worker."""
         return self._inflight.copy()
 
     def in_flight(self, index: int) -> int:
+        """This proxy's requests on the worker."""
         return int(self._inflight[index])
 
     def healthy(self, index: int) -> bool:
@@ -93,12 +108,19 @@ class WorkerPool:
             mask[i] = False
         return mask
 
-    def acquire(self, index: int, on_release: Callable[[int], None] | None = None) -> Lease:
+    def acquire(self, index: int, on_release: Callable[[int], None] | None = None,
+                name: str | None = None) -> Lease:
+        """``name``: what the worker publishes the request as (its tag), so it is not counted
+        again among the others'."""
         self._inflight[index] += 1
-        return Lease(self, index, on_release)
+        if name is not None and self.published is not None:
+            self.published.sent(name)
+        return Lease(self, index, on_release, name)
 
-    def _release(self, index: int) -> None:
+    def _release(self, index: int, name: str | None) -> None:
         self._inflight[index] -= 1
+        if name is not None and self.published is not None:
+            self.published.ended(name)
 
     def mark_unhealthy(self, index: int, reason: str) -> None:
         if self._healthy[index]:
@@ -181,14 +203,16 @@ class WorkerPool:
 class Lease:
     """One in-flight request on one worker."""
 
-    __slots__ = ("_on_release", "_pool", "_released", "index")
+    __slots__ = ("_name", "_on_release", "_pool", "_released", "index")
 
     def __init__(
-        self, pool: WorkerPool, index: int, on_release: Callable[[int], None] | None
+        self, pool: WorkerPool, index: int, on_release: Callable[[int], None] | None,
+        name: str | None = None,
     ) -> None:
         self._pool = pool
         self.index = index
         self._on_release = on_release
+        self._name = name
         self._released = False
 
     @property
@@ -199,6 +223,6 @@ class Lease:
         if self._released:
             return
         self._released = True
-        self._pool._release(self.index)
+        self._pool._release(self.index, self._name)
         if self._on_release is not None:
             self._on_release(self.index)

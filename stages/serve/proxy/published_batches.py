@@ -1,0 +1,120 @@
+"""The other proxies' requests on each decode worker, from what the workers publish.
+
+A proxy counts the requests it sent itself (``WorkerPool``). With several proxies in front of
+the same workers, each decode worker publishes the set of requests it holds
+(``stages.capture.batch_publisher``), every request named by the id its proxy tagged it with.
+A request published by a worker that this proxy did not send, or did not send recently, is
+another proxy's (or another client's): routing adds those to its own counts. Its own requests
+are never counted twice: one it sent is its own whether or not the worker has published it
+yet, and one that ended here is still its own for ``forget_after_s``, while publications made
+before it ended may still list it.
+
+A worker that has published nothing for ``stale_after_s`` (the publisher's heartbeat is 0.5 s)
+is taken to hold none of the others' requests: a proxy whose subscription broke routes on its
+own counts, as a lone proxy does, rather than on a frozen view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from stages.capture.batch_publisher import BatchMessage
+
+log = logging.getLogger(__name__)
+
+
+class PublishedBatches:
+    def __init__(self, num_workers: int, stale_after_s: float = 2.0,
+                 forget_after_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.others = np.zeros(num_workers, dtype=np.int64)  # read by WorkerPool.loads
+        self.published = np.zeros(num_workers, dtype=np.int64)  # as last published, all proxies
+        self._heard = np.full(num_workers, -np.inf)
+        self._own: set[str] = set()  # sent by this proxy, not ended
+        self._ended: dict[str, float] = {}  # ended here -> when (oldest first)
+        self._stale_after_s = stale_after_s
+        self._forget_after_s = forget_after_s
+        self._clock = clock
+
+    def sent(self, name: str) -> None:
+        self._own.add(name)
+
+    def ended(self, name: str) -> None:
+        if name in self._own:
+            self._own.discard(name)
+            self._ended[name] = self._clock()
+
+    def heard(self, worker: int, requests: frozenset[str]) -> None:
+        """Worker ``worker`` published that it holds ``requests``."""
+        now = self._clock()
+        self._forget(now)
+        self._heard[worker] = now
+        self.published[worker] = len(requests)
+        own, ended = self._own, self._ended
+        self.others[worker] = sum(1 for r in requests if r not in own and r not in ended)
+
+    def silent(self, worker: int) -> None:
+        """Nothing heard from ``worker`` in time: count none of the others' requests on it."""
+        if self._clock() - self._heard[worker] >= self._stale_after_s:
+            self.others[worker] = 0
+            self.published[worker] = 0
+
+    def age_s(self, worker: int) -> float | None:
+        """Seconds since ``worker`` last published; None if it never did."""
+        heard = self._heard[worker]
+        return None if heard == -np.inf else self._clock() - float(heard)
+
+    def _forget(self, now: float) -> None:
+        ended = self._ended
+        while ended:
+            name, when = next(iter(ended.items()))
+            if now - when < self._forget_after_s:
+                break
+            del ended[name]
+
+
+async def follow_batches(endpoints: tuple[str | None, ...], batches: PublishedBatches,
+                         stale_after_s: float) -> None:
+    """Subscribe to every decode worker's batch and keep ``batches`` up to date (runs until
+    cancelled). ZMQ reconnects by itself, so a restarted worker is followed again."""
+    context = zmq.asyncio.Context()
+    try:
+        await asyncio.gather(*(
+            _follow(context, worker, endpoint, batches, stale_after_s)
+            for worker, endpoint in enumerate(endpoints) if endpoint is not None
+        ))
+    finally:
+        context.destroy(linger=0)
+
+
+async def _follow(context: zmq.asyncio.Context, worker: int, endpoint: str,
+                  batches: PublishedBatches, stale_after_s: float) -> None:
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.setsockopt(zmq.RCVHWM, 16)
+    socket.connect(endpoint)
+    warned = False
+    try:
+        while True:
+            if not await socket.poll(timeout=int(stale_after_s * 1000)):
+                batches.silent(worker)
+                continue
+            raw = await socket.recv()
+            try:
+                message = BatchMessage.decode(raw)
+            except ValueError as exc:
+                if not warned:  # once per worker: a wrong publisher on the port, or a release
+                    log.warning("decode worker %d's batch publisher at %s sent %s; ignored",
+                                worker, endpoint, exc)
+                    warned = True
+                continue
+            batches.heard(worker, message.requests)
+    finally:
+        socket.close(linger=0)

@@ -1,0 +1,193 @@
+"""Decode workers publishing their running batch, and proxies that route on it: the wire format,
+the publisher over real ZMQ, the proxy's count of the other proxies' requests, and two proxies
+in front of the same fake decode workers that each see the other's streams."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import zmq
+
+from stages.capture.batch_publisher import REQUEST_TAG, BatchMessage, BatchPublisher, request_name
+from stages.serve.proxy import create_app
+from stages.serve.proxy.published_batches import PublishedBatches
+from tests.conftest import free_port
+from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+from tests.test_proxy import fast_config
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _receive_until(sub: zmq.Socket, want: frozenset[str], timeout_s: float = 5.0) -> BatchMessage:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sub.poll(100):
+            message = BatchMessage.decode(sub.recv())
+            if message.requests == want:
+                return message
+    raise AssertionError(f"no message with {sorted(want)}")
+
+
+def test_the_publisher_sends_what_the_worker_holds_as_it_changes() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher = BatchPublisher(endpoint, min_interval_s=0.001, heartbeat_s=0.05)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        publisher.add("vllm-1", "p0-a")
+        publisher.add("vllm-2", "vllm-2")  # untagged: its own id
+        first = _receive_until(sub, frozenset({"p0-a", "vllm-2"}))
+        publisher.remove("vllm-1")
+        publisher.remove("never-added")  # vLLM frees requests the scheduler never looked at
+        later = _receive_until(sub, frozenset({"vllm-2"}))
+        assert later.seq > first.seq
+        beat = _receive_until(sub, frozenset({"vllm-2"}))  # unchanged: the heartbeat
+        assert beat.seq > later.seq
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+
+
+def test_a_port_in_use_fails_the_publisher_at_once() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = BatchPublisher(endpoint)
+    try:
+        with pytest.raises(zmq.ZMQError):
+            BatchPublisher(endpoint)
+    finally:
+        first.close()
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"[1]", b'{"v": 2, "seq": 0, "requests": []}',
+                                 b'{"v": 1, "seq": "0", "requests": []}',
+                                 b'{"v": 1, "seq": 0, "requests": [1]}'])
+def test_anything_but_a_batch_message_is_refused(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        BatchMessage.decode(raw)
+
+
+def test_a_request_goes_by_its_proxys_tag() -> None:
+    assert request_name("cmpl-x-0-abcd", {REQUEST_TAG: "p0-7", "do_remote_prefill": True}) == "p0-7"
+    assert request_name("cmpl-x-0-abcd", None) == "cmpl-x-0-abcd"
+    assert request_name("cmpl-x-0-abcd", {REQUEST_TAG: 5}) == "cmpl-x-0-abcd"
+
+
+def test_only_the_other_proxies_requests_are_added() -> None:
+    clock = Clock()
+    batches = PublishedBatches(2, stale_after_s=2.0, forget_after_s=30.0, clock=clock)
+    batches.sent("mine-1")
+    batches.sent("mine-2")
+    # Published before mine-2 reached the worker; an untagged request and another proxy's.
+    batches.heard(0, frozenset({"mine-1", "theirs-1", "vllm-9"}))
+    assert batches.others.tolist() == [2, 0]
+    batches.ended("mine-1")  # ended here; the worker's next message may still list it
+    batches.heard(0, frozenset({"mine-1", "mine-2", "theirs-1"}))
+    assert batches.others.tolist() == [1, 0]
+    clock.now += 31  # long after: a name that comes back is someone else's request
+    batches.heard(0, frozenset({"mine-1"}))
+    assert batches.others.tolist() == [1, 0]
+    clock.now += 1
+    batches.silent(0)  # 1 s without a message: still believed
+    assert batches.others.tolist() == [1, 0]
+    clock.now += 1.5
+    batches.silent(0)  # past stale_after_s: routing falls back to its own counts
+    assert batches.others.tolist() == [0, 0] and batches.age_s(0) == pytest.approx(2.5)
+    assert batches.age_s(1) is None
+
+
+@pytest.fixture
+def published_workers() -> Iterator[tuple[list[BackgroundServer], list[str]]]:
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    behaviors = [FakeBehavior("p0")] + [
+        FakeBehavior(f"d{i}", tokens=12, token_delay_s=0.25,
+                     publisher=BatchPublisher(e, min_interval_s=0.002, heartbeat_s=0.2))
+        for i, e in enumerate(endpoints)]
+    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    yield servers, endpoints
+    for server, behavior in zip(servers, behaviors, strict=True):
+        server.stop()
+        if behavior.publisher is not None:
+            behavior.publisher.close()
+
+
+def _decode_views(client: httpx.Client) -> list[dict]:
+    return client.get("/admin/state").json()["decode_workers"]
+
+
+def test_two_proxies_each_see_the_others_streams_and_route_around_them(
+        published_workers: tuple[list[BackgroundServer], list[str]]) -> None:
+    servers, endpoints = published_workers
+    config = fast_config([servers[0].url], [s.url for s in servers[1:]], policy="jsq",
+                         decode_batch_endpoints=tuple(endpoints))
+    with BackgroundServer(create_app(config)) as a, BackgroundServer(create_app(config)) as b, \
+            httpx.Client(base_url=a.url, timeout=30) as via_a, \
+            httpx.Client(base_url=b.url, timeout=30) as via_b, ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(via_a.post, "/v1/completions",
+                               json={"prompt": f"s{i}", "max_tokens": 12, "stream": True})
+                   for i in range(3)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen_by_b = [w["others_in_flight"] for w in _decode_views(via_b)]
+            if sum(seen_by_b) == 3:
+                break
+            time.sleep(0.05)
+        own_of_a = [w["in_flight"] for w in _decode_views(via_a)]
+        assert seen_by_b == own_of_a and sum(own_of_a) == 3  # b sees a's streams where they run
+        assert [w["others_in_flight"] for w in _decode_views(via_a)] == [0, 0]  # a: its own
+        # b's next stream goes where a's are fewer, though b itself has sent nothing.
+        lighter = own_of_a.index(min(own_of_a))
+        extra = pool.submit(via_b.post, "/v1/completions",
+                            json={"prompt": "b0", "max_tokens": 12, "stream": True})
+        time.sleep(0.5)
+        assert [w["in_flight"] for w in _decode_views(via_b)][lighter] == 1
+        for f in [*streams, extra]:
+            assert f.result().content.endswith(b"data: [DONE]\n\n")
+        time.sleep(0.5)
+        for client in (via_a, via_b):
+            assert [w["others_in_flight"] for w in _decode_views(client)] == [0, 0]
+
+
+def test_attached_workers_name_their_batch_endpoints_one_each() -> None:
+    from stages.errors import EldrError
+    from stages.serve.deploy import ServeOptions
+
+    attached = dict(attach_prefill=("http://p0:8000",),
+                    attach_decode=("http://d0:8000", "http://d1:8000"))
+    ServeOptions(**attached, attach_batch=("tcp://d0:5600", "tcp://d1:5600")).check()
+    with pytest.raises(EldrError, match="2 --attach-decode workers: one each"):
+        ServeOptions(**attached, attach_batch=("tcp://d0:5600",)).check()
+    with pytest.raises(EldrError, match="a tcp:// endpoint"):
+        ServeOptions(**attached, attach_batch=("http://d0:5600", "tcp://d1:5600")).check()
+
+
+def test_worker_args_prints_a_decode_workers_batch_endpoint() -> None:
+    import json
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from eldr_cli.app import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["worker-args", "decode", "--publish-batch", "tcp://*:5600"])
+    assert ok.exit_code == 0, ok.output
+    config = json.loads(shlex.split(ok.output)[1])
+    [eldr, _nixl] = config["kv_connector_extra_config"]["connectors"]
+    assert eldr["kv_connector_extra_config"]["publish_batch"] == "tcp://*:5600"
+    from stages.errors import EldrError
+
+    refused = runner.invoke(app, ["worker-args", "prefill", "--publish-batch", "tcp://*:5600"])
+    # eldr's entry point turns an EldrError into its message and exit status 2.
+    assert isinstance(refused.exception, EldrError)
+    assert "decode worker's tcp:// endpoint" in str(refused.exception)
