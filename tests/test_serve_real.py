@@ -409,7 +409,9 @@ def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_w
                timeout=10).raise_for_status()
     with running_serve(args, deployment.home, timeout_s=180) as group:
         proxies = [deployment.proxy_url, *_proxy_addresses(group.url)]
-        body = {"model": "tiny", "max_tokens": 160, "ignore_eos": True, "temperature": 0}
+        # Long enough that most samples fall between the streams' starts and ends, where
+        # vLLM's own gauges (updated once a step) lag what it holds.
+        body = {"model": "tiny", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
         samples: list[tuple[list[int], list[list[int]]]] = []
         with ThreadPoolExecutor(6) as pool:
             streams = [pool.submit(httpx.post, f"{url}/v1/completions",
@@ -424,12 +426,17 @@ def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_w
             assert all(f.result().status_code == 200 for f in streams)
         close = [max(abs(v - t) for view in views for v, t in zip(view, truth, strict=True)) <= 1
                  for truth, views in samples]
-        assert len(samples) >= 5 and sum(close) >= 0.7 * len(samples), samples
+        # Where vLLM's load held still around a sample, every proxy saw it within one request;
+        # elsewhere streams start or end, and vLLM's gauges (set once a step) and the
+        # proxies (read one after another) each catch the change at their own moment.
+        steady = [i for i in range(1, len(samples) - 1)
+                  if samples[i - 1][0] == samples[i][0] == samples[i + 1][0]]
+        assert len(steady) >= 5 and all(close[i] for i in steady), samples
+        assert sum(close) >= 0.7 * len(samples), samples
         assert [_complete(group.url, p) for p in PROMPTS] == [
             deployment.reference[p] for p in PROMPTS]
-        print(f"\n{sum(close)} of {len(samples)} samples: every proxy within one request of"
-              f" vLLM on every decode worker (last: vLLM {samples[-1][0]}, proxies"
-              f" {samples[-1][1]})")
+        print(f"\n{sum(close)} of {len(samples)} samples ({len(steady)} steady, all of them):"
+              f" every proxy within one request of vLLM on every decode worker: {samples}")
 
 
 def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployment) -> None:
