@@ -126,8 +126,11 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
     else:
         policy = name.removesuffix("-2p")
         processes = "1" if policy == name else "2"
+        # Capacity, not load shedding, is measured: no bound on the requests in flight (the
+        # default sheds past 256 when the workers' slots are unknown, as with --attach-*).
         argv = [sys.executable, "-m", "eldr_cli", "serve", "--policy", policy, "--port",
-                str(port), "--log-level", "warning", "--proxy-workers", processes]
+                str(port), "--log-level", "warning", "--proxy-workers", processes,
+                "--max-queued", str(10**9)]
         for url in prefill:
             argv += ["--attach-prefill", url]
         for url in decode:
