@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from stages.paths import BUNDLED_MODELS_DIR
+
+if TYPE_CHECKING:
+    from stages.signature.dataset import ModelIdentity, SignatureArrays, SignatureDataset
 
 TINY = BUNDLED_MODELS_DIR / "tiny"
 
@@ -89,3 +93,22 @@ def plain_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         yield server.url
     finally:
         server.stop()
+
+
+
+def write_dataset(path: Path, arrays: SignatureArrays, identity: ModelIdentity,
+                  rows: int | None = None) -> SignatureDataset:
+    """A signature dataset at ``path`` holding the first ``rows`` (all) of ``arrays`` (e.g.
+    synthetic ones), as `eldr capture` would have written them."""
+    from stages.signature.dataset import CaptureRecord, SignatureDataset
+
+    dataset = SignatureDataset.create_or_open(path, identity, "test")
+    dataset.append([
+        CaptureRecord(id=str(arrays.ids[i]), domain="d", prompt_sha256="",
+                      prompt_tokens=int(arrays.prompt_tokens[i]),
+                      output_tokens=int(arrays.output_tokens[i]),
+                      prefill_counts=arrays.prefill_counts[i],
+                      decode_counts=arrays.decode_counts[i])
+        for i in range(len(arrays) if rows is None else rows)
+    ])
+    return dataset

@@ -330,18 +330,11 @@ def test_cli_replays_a_live_run_and_saves_the_validation(arrays, tmp_path) -> No
     from typer.testing import CliRunner
 
     from eldr_cli.app import app
-    from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
+    from stages.signature.dataset import ModelIdentity
+    from tests.conftest import write_dataset
 
     identity = ModelIdentity(name="syn", num_layers=2, num_experts=8, top_k=2)
-    dataset = SignatureDataset.create_or_open(tmp_path / "sig.zarr", identity, "test")
-    dataset.append([
-        CaptureRecord(id=str(arrays.ids[i]), domain="d", prompt_sha256="",
-                      prompt_tokens=int(arrays.prompt_tokens[i]),
-                      output_tokens=int(arrays.output_tokens[i]),
-                      prefill_counts=arrays.prefill_counts[i],
-                      decode_counts=arrays.decode_counts[i])
-        for i in range(20)
-    ])
+    write_dataset(tmp_path / "sig.zarr", arrays, identity, rows=20)
     _live_results(tmp_path / "live", [str(i) for i in arrays.ids[:12]])
     cost = tmp_path / "cost.json"
     replace(COST, core_sharing=2).save(cost)

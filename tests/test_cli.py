@@ -252,21 +252,14 @@ def test_bench_simulate_records_its_proxies(tmp_path: Path) -> None:
     import orjson
 
     from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
-    from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
+    from stages.signature.dataset import ModelIdentity
+    from tests.conftest import write_dataset
 
     spec = SyntheticSpec(num_requests=50, num_layers=4, num_experts=16, top_k=2,
                          domain_experts=6, min_output=8, max_output=16)
     arrays = synthetic_signatures(spec)
     identity = ModelIdentity(name="syn", num_layers=4, num_experts=16, top_k=2)
-    dataset = SignatureDataset.create_or_open(tmp_path / "sig.zarr", identity, "test")
-    dataset.append([
-        CaptureRecord(id=str(arrays.ids[i]), domain="d", prompt_sha256="",
-                      prompt_tokens=int(arrays.prompt_tokens[i]),
-                      output_tokens=int(arrays.output_tokens[i]),
-                      prefill_counts=arrays.prefill_counts[i],
-                      decode_counts=arrays.decode_counts[i])
-        for i in range(len(arrays))
-    ])
+    write_dataset(tmp_path / "sig.zarr", arrays, identity)
     out = tmp_path / "results"
     result = runner.invoke(app, [
         "bench", "--simulate", "--data", str(tmp_path / "sig.zarr"), "--policies", "jsq",
