@@ -9,6 +9,7 @@ serve, and an engine with eldr's connector must refuse with the release named.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -42,8 +43,38 @@ def start(spec: ServerSpec, logs: Path) -> VllmServer:
     return server
 
 
+@pytest.fixture(scope="module")
+def refusing(tiny_model: Path,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
+    """The engines that must refuse, started together when the module starts: each takes most
+    of a minute to reach its refusal, time they spend side by side and beside the plain engine
+    of the first test."""
+    from stages.engine import on_cpu
+
+    root = tmp_path_factory.mktemp("guards")
+    specs = {"release": ServerSpec(model=str(tiny_model), port=free_port(), role="plain",
+                                   enforce_eager=True, extra_env=untested_release_env(root))}
+    if on_cpu():  # PP is recorded on GPUs (scripts/gpu-check.sh)
+        specs["pp"] = ServerSpec(model=str(tiny_model), port=free_port(), role="plain",
+                                 enforce_eager=True, cpu_cores="0|1",
+                                 extra_args=("--pipeline-parallel-size", "2"))
+    servers = {name: VllmServer(spec, root / name) for name, spec in specs.items()}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def refusal_log(server: VllmServer) -> str:
+    """The log of a server that must refuse to start, once it has."""
+    with pytest.raises(EldrError, match="exited with code"):
+        server.wait_ready(timeout_s=240)
+    return server.log_path.read_text(errors="replace")
+
+
 def test_a_plain_engine_serves_where_eldr_refuses_the_release(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, refusing: dict[str, VllmServer]
 ) -> None:
     env = untested_release_env(tmp_path)
     plain = start(ServerSpec(model=str(tiny_model), port=free_port(), served_name="tiny",
@@ -57,23 +88,13 @@ def test_a_plain_engine_serves_where_eldr_refuses_the_release(
     finally:
         plain.stop()
     # The same environment, the same model, eldr's connector configured: refused at start.
-    with pytest.raises(EldrError, match="exited with code"):
-        start(ServerSpec(model=str(tiny_model), port=free_port(), role="plain",
-                         enforce_eager=True, extra_env=env), tmp_path / "eldr")
-    log = next((tmp_path / "eldr").glob("vllm-*.log")).read_text(errors="replace")
-    assert "eldr's plugin is tested on vLLM 0.0.x only" in log
+    assert "eldr's plugin is tested on vLLM 0.0.x only" in refusal_log(refusing["release"])
 
 
 def test_pipeline_parallel_on_cpu_is_refused_at_start_by_name(
-    tiny_model: Path, tmp_path: Path
+    refusing: dict[str, VllmServer]
 ) -> None:
-    from stages.engine import on_cpu
-
-    if not on_cpu():
+    if "pp" not in refusing:
         pytest.skip("PP is recorded on GPUs (scripts/gpu-check.sh)")
-    with pytest.raises(EldrError, match="exited with code"):
-        start(ServerSpec(model=str(tiny_model), port=free_port(), role="plain",
-                         enforce_eager=True, cpu_cores="0|1",
-                         extra_args=("--pipeline-parallel-size", "2")), tmp_path)
-    log = next(tmp_path.glob("vllm-*.log")).read_text(errors="replace")
+    log = refusal_log(refusing["pp"])
     assert "eldr cannot record expert signatures with pipeline parallel" in log
