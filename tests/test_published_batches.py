@@ -156,6 +156,11 @@ def test_two_proxies_each_see_the_others_streams_and_route_around_them(
         time.sleep(0.5)
         for client in (via_a, via_b):
             assert [w["others_in_flight"] for w in _decode_views(client)] == [0, 0]
+        metrics = via_b.get("/metrics").text
+        assert 'eldr_router_decode_others_inflight{worker="decode-0"} 0.0' in metrics
+        age_of_1 = 'eldr_router_decode_published_age_seconds{worker="decode-1"}'
+        age = next(line for line in metrics.splitlines() if line.startswith(age_of_1))
+        assert 0 <= float(age.rsplit(" ", 1)[1]) < 2  # the heartbeat keeps it fresh
 
 
 def test_attached_workers_name_their_batch_endpoints_one_each() -> None:

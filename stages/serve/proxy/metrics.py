@@ -17,6 +17,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from stages.serve.proxy.published_batches import PublishedBatches
 from stages.serve.proxy.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -199,6 +200,28 @@ class ProxyMetrics:
                 ejected.labels(pool.role, name).set_function(
                     lambda p=pool, i=i: float(p.ejected(i))
                 )
+        if decode.published is not None:
+            self._published_gauges(decode, decode.published, r)
+
+    @staticmethod
+    def _published_gauges(decode: WorkerPool, published: PublishedBatches,
+                          r: CollectorRegistry) -> None:
+        others = Gauge(
+            "eldr_router_decode_others_inflight",
+            "Requests on a decode worker that other proxies (or clients) sent, as it published.",
+            ["worker"], registry=r,
+        )
+        age = Gauge(
+            "eldr_router_decode_published_age_seconds",
+            "Seconds since a decode worker last published its batch (-1: never).",
+            ["worker"], registry=r,
+        )
+        for i in range(len(decode)):
+            name = decode.name(i)
+            others.labels(name).set_function(lambda i=i: float(published.others[i]))
+            age.labels(name).set_function(
+                lambda i=i: -1.0 if (a := published.age_s(i)) is None else a
+            )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
