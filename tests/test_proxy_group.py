@@ -204,7 +204,7 @@ def test_merged_metrics_name_each_family_once_with_every_proxys_series() -> None
     assert 'g{proxy="p0"} 2.0' in text
 
 
-def test_online_refit_is_refused_with_several_proxies() -> None:
+def test_bad_group_options_are_refused_by_name() -> None:
     from stages.errors import EldrError
     from stages.serve.deploy import ServeOptions
 
@@ -212,3 +212,5 @@ def test_online_refit_is_refused_with_several_proxies() -> None:
         ServeOptions(proxy_workers=2, online_refit=True).check()
     with pytest.raises(EldrError, match="--proxy-workers must be >= 1"):
         ServeOptions(proxy_workers=0).check()
+    with pytest.raises(EldrError, match="the http:// address of another proxy"):
+        ServeOptions(peers=("10.0.0.2:8000",)).check()

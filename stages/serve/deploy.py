@@ -82,6 +82,10 @@ class ServeOptions:
             check_unchecked_policy(self.policy)
         if self.proxy_workers < 1:
             raise EldrError(f"--proxy-workers must be >= 1, got {self.proxy_workers}")
+        bad_peers = [u for u in self.peers if not u.startswith(("http://", "https://"))]
+        if bad_peers:
+            raise EldrError(f"--peer {bad_peers[0]!r}: the http:// address of another proxy,"
+                            " e.g. http://10.0.0.2:8000")
         if self.online_refit and (self.proxy_workers > 1 or self.peers):
             raise EldrError("--online-refit runs in one proxy: each of several would refit its"
                             " own centroids on its share of the traffic; drop --proxy-workers"
