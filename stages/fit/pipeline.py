@@ -87,6 +87,8 @@ def fit_artifact(
     say(f"fitting the signature transform on {len(train)} requests ({len(held)} held out)")
     fitted = fit_clustering(prefill[train], decode[train], config, say)
     transform, km = fitted.transform, fitted.kmeans
+    x_held = transform.apply(prefill[held])
+    profiles = step_profiles(prefill, decode, identity)  # every request's, held-out ones too
     metrics: dict[str, Any] = {
         "cluster_sizes": np.bincount(km.labels, minlength=config.k).tolist(),
         "mean_within_cluster_cosine": km.objective / len(train),
@@ -95,16 +97,17 @@ def fit_artifact(
         "rho_trace": fitted.rho_trace,
         "layers": np.flatnonzero(transform.layer_mask).tolist(),
         "holdout": holdout_metrics(
-            transform.apply(prefill[held]), decode[held], km.centroids, config.eval_batch_size,
+            x_held, decode[held], km.centroids, config.eval_batch_size,
             np.random.default_rng(config.seed + 1),
         ),
-        "expected_gain": cross_fit_gain(prefill, decode, identity, fitted, config, say, cost),
+        "expected_gain": cross_fit_gain(
+            prefill, decode, profiles, identity, fitted, config, say, cost
+        ),
         # The same estimate on the held-out requests only, with the artifact's own centroids:
         # the locality dial measures simulated datasets this way and places this value on it.
         "holdout_gain": estimate_gain(
-            transform.apply(prefill[held]), km.centroids,
-            step_profiles(prefill[held], decode[held], identity), identity.num_layers,
-            config.gain, np.random.default_rng(config.seed + 2), cost,
+            x_held, km.centroids, profiles[held], identity.num_layers, config.gain,
+            np.random.default_rng(config.seed + 2), cost,
         ),
         "warnings": fit_warnings(
             len(train), config.k, km.objective / len(train), config.holdout_fraction
@@ -157,6 +160,7 @@ def fit_clustering(
 def cross_fit_gain(
     prefill: np.ndarray,
     decode: np.ndarray,
+    profiles: np.ndarray,
     identity: ModelIdentity,
     reference: Clustering,
     config: FitConfig,
@@ -164,7 +168,8 @@ def cross_fit_gain(
     cost: StepTimeModel | None,
 ) -> dict[str, Any]:
     """The per-step gain on every request, each labelled by a fit on the other folds and
-    named by ``reference``'s (the artifact's) clusters."""
+    named by ``reference``'s (the artifact's) clusters; ``profiles``: the requests'
+    ``step_profiles``."""
     progress(f"per-step gain: {config.folds}-fold cross-fit over all {len(prefill)} requests,"
              f" batch sizes {list(config.gain.batch_sizes)}")
     crossed = cross_fit_labels(
@@ -173,8 +178,8 @@ def cross_fit_gain(
         progress=progress,
     )
     gain = gain_from_labels(
-        crossed.labels, config.k, step_profiles(prefill, decode, identity),
-        identity.num_layers, config.gain, np.random.default_rng(config.seed + 2), cost,
+        crossed.labels, config.k, profiles, identity.num_layers, config.gain,
+        np.random.default_rng(config.seed + 2), cost,
     )
     return {
         "method": "cross-fit",
