@@ -95,19 +95,17 @@ def decode_body(
     """``tag``: the name a decode worker that publishes its batch gives the request
     (``batch_publisher.REQUEST_TAG``), so the proxy that sent it knows it for its own."""
     out = dict(body)
-    if tag is not None:
-        params = {k: v for k, v in (kv_transfer_params or {}).items() if k not in _SIGNATURE_KEYS}
-        out["kv_transfer_params"] = {**params, REQUEST_TAG: tag}
-    elif kv_transfer_params is None:
+    if kv_transfer_params is None and tag is None:
         # No hand-off (prefill ran without a KV connector): the decode worker recomputes the
         # prompt, which is slower but correct, so do not forward a stale client value either.
         out.pop("kv_transfer_params", None)
-    else:
-        # The NIXL hand-off goes on unchanged; the signature stays behind: the decode worker has
-        # no use for it, and it is most of the bytes (16 KiB of base64 for 48x128 experts).
-        out["kv_transfer_params"] = {
-            k: v for k, v in kv_transfer_params.items() if k not in _SIGNATURE_KEYS
-        }
+        return out
+    # The NIXL hand-off goes on unchanged; the signature stays behind: the decode worker has
+    # no use for it, and it is most of the bytes (16 KiB of base64 for 48x128 experts).
+    params = {k: v for k, v in (kv_transfer_params or {}).items() if k not in _SIGNATURE_KEYS}
+    if tag is not None:
+        params[REQUEST_TAG] = tag
+    out["kv_transfer_params"] = params
     return out
 
 
