@@ -14,6 +14,7 @@ from eldr_cli.options import (
     SeedOption,
     policy_config,
 )
+from stages.errors import EldrError
 from stages.routing.policies import POLICIES, reads_signatures
 
 
@@ -109,6 +110,18 @@ def serve(
         help="Proxy log level: debug, info, warning, error (worker logs go to their files).",
         case_sensitive=False)] = "warning",
     seed: SeedOption = 0,
+    record: Annotated[bool, typer.Option(
+        "--record", help="Append the requests routed to a signature dataset `eldr fit` reads:"
+        " each one's prefill signature, its decode counts as the decode worker measured them,"
+        " lengths and timings (prompts only as a sha256 unless --record-prompts). Start with"
+        " --policy eldr-union (no artifact), record, then `eldr fit --data` on it.")] = False,
+    record_to: Annotated[Path | None, typer.Option(
+        help="With --record: the dataset to append to (created if absent). Default:"
+        " $ELDR_HOME/traffic.zarr.", show_default=False)] = None,
+    record_rate: Annotated[float, typer.Option(
+        help="With --record: the fraction of requests recorded, chosen at random.")] = 1.0,
+    record_prompts: Annotated[bool, typer.Option(
+        help="With --record: keep each prompt's text, not only its sha256.")] = False,
     drain_timeout: Annotated[float, typer.Option(
         help="On Ctrl-C or SIGTERM: seconds the requests in flight get to finish while new ones"
         " (and /health) get 503; a second signal stops at once. 0 stops at once.", min=0)]
@@ -117,8 +130,14 @@ def serve(
     """Start vLLM prefill and decode workers (real OpenAI servers with eldr's connector) and
     the routing proxy in front of them. A started worker whose process ends is restarted.
     Ctrl-C or SIGTERM stops everything started, and so does this process's death."""
+    from stages import paths
     from stages.serve import deploy
+    from stages.serve.proxy.recording import RecordConfig
 
+    if not record and (record_to is not None or record_rate != 1.0 or record_prompts):
+        raise EldrError("--record-to, --record-rate and --record-prompts go with --record")
+    recording = RecordConfig(record_to or paths.default_traffic_dataset(), record_rate,
+                             record_prompts) if record else None
     options = deploy.ServeOptions(
         model=model, prefill_model=prefill_model, prefill=prefill, decode=decode, policy=policy,
         policy_config=policy_config(policy_options), artifact=artifact, store=store, host=host,
@@ -132,7 +151,7 @@ def serve(
         vllm_args=tuple(vllm_arg or ()), api_key=api_key, insecure=insecure,
         admin_api_key=admin_api_key,
         worker_api_key=worker_api_key, skip_self_check=skip_self_check, log_level=log_level,
-        seed=seed, drain_timeout=drain_timeout,
+        seed=seed, drain_timeout=drain_timeout, record=recording,
     )
     plan = deploy.plan(options)
     if plan.warning is not None:

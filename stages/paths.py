@@ -27,6 +27,11 @@ def default_dataset() -> Path:
     return eldr_home() / "signatures.zarr"
 
 
+def default_traffic_dataset() -> Path:
+    """Where `eldr serve --record` appends the requests it routed."""
+    return eldr_home() / "traffic.zarr"
+
+
 def default_artifact_store() -> Path:
     return eldr_home() / "artifacts"
 

@@ -14,20 +14,64 @@ a gone one. Nothing here touches a device tensor, so there is no host sync.
 The wire format is one JSON object per message (see ``BatchMessage``); a request is named by
 the id a proxy tagged it with (``REQUEST_TAG`` in its ``kv_transfer_params``), else by vLLM's
 own request id.
+
+A request a proxy marked with ``RECORD_KEY`` also comes back, once it has finished, with its
+decode counts per expert as this worker measured them (``FinishedRequest``), in the next
+message: that is how ``eldr serve --record`` learns what a request's decode read. Finished
+requests waiting to be sent are bounded (``max_pending``); past it they are dropped and
+counted, never queued without end.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 import zmq
 
+from stages.signature import wire
+
+log = logging.getLogger(__name__)
+
 # The key of kv_transfer_params under which a proxy names its request to the decode worker.
 REQUEST_TAG = "eldr_request_id"
+# kv_transfer_params[RECORD_KEY] = True: publish the request's decode counts when it finishes.
+RECORD_KEY = "eldr_record"
 WIRE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A recorded request's decode as its decode worker measured it: ``decode_counts[l, e]``
+    counts the generated tokens (those this worker ran forward) that picked expert ``e`` in
+    MoE layer ``l``; the lengths are vLLM's, in tokens."""
+
+    name: str
+    prompt_tokens: int
+    output_tokens: int
+    decode_counts: np.ndarray  # int32 [L, E]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "prompt_tokens": self.prompt_tokens,
+                "output_tokens": self.output_tokens,
+                "decode_counts": wire.encode(self.decode_counts)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> FinishedRequest:
+        """Raises ValueError on a malformed entry."""
+        if not isinstance(data, dict):
+            raise ValueError("a finished request must be an object")
+        name, lengths = data.get("name"), (data.get("prompt_tokens"), data.get("output_tokens"))
+        if not isinstance(name, str) or not all(type(n) is int and n >= 0 for n in lengths):
+            raise ValueError("a finished request needs a name and its lengths in tokens")
+        counts = wire.decode(data.get("decode_counts"))
+        if counts is None:
+            raise ValueError(f"finished request {name!r} has no valid decode counts")
+        return cls(name, lengths[0], lengths[1], counts.astype(np.int32))
 
 
 @dataclass(frozen=True)
@@ -37,10 +81,14 @@ class BatchMessage:
 
     seq: int
     requests: frozenset[str]
+    finished: tuple[FinishedRequest, ...] = ()
 
     def encode(self) -> bytes:
-        return orjson.dumps({"v": WIRE_VERSION, "seq": self.seq,
-                             "requests": sorted(self.requests)})
+        message: dict[str, Any] = {"v": WIRE_VERSION, "seq": self.seq,
+                                   "requests": sorted(self.requests)}
+        if self.finished:  # absent otherwise: proxies of the previous release read the rest
+            message["finished"] = [f.to_json() for f in self.finished]
+        return orjson.dumps(message)
 
     @classmethod
     def decode(cls, raw: bytes) -> BatchMessage:
@@ -55,7 +103,10 @@ class BatchMessage:
         if type(seq) is not int or not isinstance(requests, list) or not all(
                 isinstance(r, str) for r in requests):
             raise ValueError("a batch message needs an integer seq and a list of request ids")
-        return cls(seq, frozenset(requests))
+        finished = data.get("finished", [])
+        if not isinstance(finished, list):
+            raise ValueError("a batch message's finished requests must be a list")
+        return cls(seq, frozenset(requests), tuple(FinishedRequest.from_json(f) for f in finished))
 
 
 def request_name(request_id: str, kv_transfer_params: dict[str, Any] | None) -> str:
@@ -68,8 +119,11 @@ class BatchPublisher:
     """Publishes the set of requests a decode worker holds on ``endpoint`` (``tcp://*:port``)."""
 
     def __init__(self, endpoint: str, min_interval_s: float = 0.005,
-                 heartbeat_s: float = 0.5) -> None:
+                 heartbeat_s: float = 0.5, max_pending: int = 4096) -> None:
         self._held: dict[str, str] = {}  # vLLM's request id -> the name published
+        self._finished: list[FinishedRequest] = []
+        self._max_pending = max_pending
+        self.dropped = 0  # finished requests not sent: more than max_pending were waiting
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
@@ -98,6 +152,17 @@ class BatchPublisher:
                 return
         self._changed.set()
 
+    def finished(self, request: FinishedRequest) -> None:
+        with self._lock:
+            if len(self._finished) >= self._max_pending:
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning("eldr: more than %d recorded requests waiting to be published;"
+                                " dropping the newest (no proxy reading?)", self._max_pending)
+                return
+            self._finished.append(request)
+        self._changed.set()
+
     def close(self) -> None:
         self._stop.set()
         self._changed.set()
@@ -111,9 +176,11 @@ class BatchPublisher:
                 self._changed.clear()
                 with self._lock:
                     names = frozenset(self._held.values())
+                    finished, self._finished = tuple(self._finished), []
                 # A PUB socket never blocks: past its high-water mark it drops the message for
-                # that subscriber, which the next message (the whole set again) makes good.
-                self._socket.send(BatchMessage(seq, names).encode(), zmq.NOBLOCK)
+                # that subscriber, which the next message (the whole set again) makes good
+                # (the finished requests it carried are lost; the proxy counts seq gaps).
+                self._socket.send(BatchMessage(seq, names, finished).encode(), zmq.NOBLOCK)
                 seq += 1
                 # Changes in the next moments go out together, in the next message.
                 self._stop.wait(self._min_interval_s)

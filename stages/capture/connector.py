@@ -35,7 +35,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
-from stages.capture.batch_publisher import BatchPublisher, request_name
+from stages.capture.batch_publisher import (
+    RECORD_KEY,
+    BatchPublisher,
+    FinishedRequest,
+    request_name,
+)
 from stages.capture.kv_group import signature_group
 from stages.capture.ledger import SignatureLedger
 from stages.capture.messages import StepPlan, StepReport
@@ -172,9 +177,11 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         # The scheduler's first look at a request (again each time it could not place it).
         if self._publisher is not None:
-            self._publisher.add(
-                request.request_id, request_name(request.request_id, request.kv_transfer_params)
-            )
+            params = request.kv_transfer_params
+            name = request_name(request.request_id, params)
+            self._publisher.add(request.request_id, name)
+            if params and params.get(RECORD_KEY) is True and self._ledger is not None:
+                self._ledger.mark_record(request.request_id, name)
         return 0, False
 
     def update_state_after_alloc(
@@ -193,6 +200,11 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         report = report.resolve() if isinstance(report, StepReport) else None
         zero_before = self._ledger.zero_signatures
         self._ledger.apply(report)
+        if self._ledger.recorded:
+            if self._publisher is not None:
+                for recorded in self._ledger.recorded:
+                    self._publisher.finished(FinishedRequest(*recorded))
+            self._ledger.recorded.clear()
         if report is not None and report.decode_steps:
             self._stats.add(report)
         zero = self._ledger.zero_signatures - zero_before
@@ -215,7 +227,7 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._ledger is not None
         if self._publisher is not None:
             self._publisher.remove(request.request_id)
-        return False, self._ledger.finished(request.request_id)
+        return False, self._ledger.finished(request.request_id, request.num_output_tokens)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -30,6 +30,9 @@ class _Tracked:
     block_ids: list[int]
     computed: int  # tokens computed once this step's forward is done
     remote: bool = False  # KV came from another instance: our table never saw its prompt
+    # The name a proxy asked for its decode counts under (RECORD_KEY), remote or not.
+    record_as: str | None = None
+    output_tokens: int = 0
     signature: np.ndarray | None = None
     decode_counts: np.ndarray | None = None
     pending_params: dict[str, Any] | None = field(default=None, repr=False)
@@ -46,6 +49,10 @@ class SignatureLedger:
         self._requests: dict[str, _Tracked] = {}
         self._awaiting: dict[str, _Tracked] = {}  # finished, waiting for this step's report
         self._remote: set[str] = set()
+        self._record: dict[str, str] = {}  # asked for decode counts, not yet scheduled
+        self._recording: dict[str, _Tracked] = {}  # finished; counts complete after this step
+        # (name, prompt tokens, output tokens, decode counts) of finished recorded requests.
+        self.recorded: list[tuple[str, int, int, np.ndarray]] = []
         self.moe_layers: tuple[int, ...] = ()  # as the worker built them, once it reported
         # Prompts whose signature came back empty: the recording hook did not run for them.
         self.zero_signatures = 0
@@ -54,13 +61,19 @@ class SignatureLedger:
         """The request's KV arrives from a prefill instance; there is nothing to sum here."""
         self._remote.add(req_id)
 
+    def mark_record(self, req_id: str, name: str) -> None:
+        """Count the request's decode tokens per expert and hand them over under ``name`` when
+        it finishes (``recorded``), whether or not this engine ran its prompt."""
+        self._record[req_id] = name
+
     def plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan(num_tokens=int(scheduler_output.total_num_scheduled_tokens))
         scheduled = scheduler_output.num_scheduled_tokens
-        remote = self._remote
+        remote, record = self._remote, self._record
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             remote.discard(req_id)
+            record.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             prompt_len = len(new.prompt_token_ids or ())
             tracked = _Tracked(
@@ -68,6 +81,7 @@ class SignatureLedger:
                 block_ids=list(new.block_ids[self.group]),
                 computed=new.num_computed_tokens,
                 remote=new.req_id in remote,
+                record_as=record.pop(new.req_id, None),
             )
             self._requests[new.req_id] = tracked
             self._plan_request(plan, new.req_id, tracked, scheduled.get(new.req_id, 0), True)
@@ -97,7 +111,12 @@ class SignatureLedger:
         start = tracked.computed
         end = start + num_tokens
         tracked.computed = end
-        if tracked.remote or num_tokens == 0:
+        if num_tokens == 0:
+            return
+        decode_start = max(start, tracked.prompt_len)
+        if (self.count_decode or tracked.record_as is not None) and decode_start < end:
+            plan.decode_slots[req_id] = [self._slot(tracked, p) for p in range(decode_start, end)]
+        if tracked.remote:
             return
         if first and start % self.block_size:
             # vLLM recomputes the last prompt token of a full prefix hit into its cached block.
@@ -106,12 +125,6 @@ class SignatureLedger:
         if tracked.signature is None and start < tracked.prompt_len <= end:
             num_blocks = -(-tracked.prompt_len // self.block_size)
             plan.snapshots[req_id] = tracked.block_ids[:num_blocks]
-        if self.count_decode:
-            decode_start = max(start, tracked.prompt_len)
-            if decode_start < end:
-                plan.decode_slots[req_id] = [
-                    self._slot(tracked, p) for p in range(decode_start, end)
-                ]
 
     def _slot(self, tracked: _Tracked, position: int) -> int:
         block = tracked.block_ids[position // self.block_size]
@@ -129,18 +142,33 @@ class SignatureLedger:
                     if tracked.prompt_len and len(wire.empty_layers(counts)):
                         self.zero_signatures += 1
             for req_id, counts in report.decode_counts.items():
-                tracked = self._requests.get(req_id) or self._awaiting.get(req_id)
+                self.shape = counts.shape  # a decode-only engine computes no signature
+                tracked = (self._requests.get(req_id) or self._awaiting.get(req_id)
+                           or self._recording.get(req_id))
                 if tracked is not None:
                     prev = tracked.decode_counts
                     tracked.decode_counts = counts if prev is None else prev + counts
         for tracked in self._awaiting.values():
             self._fill(tracked)
         self._awaiting.clear()
+        for tracked in self._recording.values():
+            counts = tracked.decode_counts
+            if counts is None and self.shape is not None:
+                counts = np.zeros(self.shape, dtype=np.int32)  # finished before a decode step
+            if counts is not None and tracked.record_as is not None:
+                self.recorded.append(
+                    (tracked.record_as, tracked.prompt_len, tracked.output_tokens, counts))
+        self._recording.clear()
 
-    def finished(self, req_id: str) -> dict[str, Any]:
+    def finished(self, req_id: str, output_tokens: int = 0) -> dict[str, Any]:
         """The ``kv_transfer_params`` to return for a finishing request (filled now or soon)."""
         tracked = self._requests.pop(req_id, None)
+        self._record.pop(req_id, None)  # finished (aborted) before it was ever scheduled
         params: dict[str, Any] = {}
+        if tracked is not None and tracked.record_as is not None:
+            # Its last step's counts arrive with this step's report, applied next.
+            tracked.output_tokens = output_tokens
+            self._recording[req_id] = tracked
         if tracked is None or tracked.remote:
             return params
         tracked.pending_params = params

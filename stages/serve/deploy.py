@@ -19,6 +19,7 @@ from stages.routing.policies import needs_centroids
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.cluster import launcher
 from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.recording import RecordConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -62,6 +63,7 @@ class ServeOptions:
     log_level: str = "warning"
     seed: int = 0
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    record: RecordConfig | None = None  # --record: append routed requests to a dataset
 
     @property
     def attach(self) -> bool:
@@ -101,8 +103,15 @@ class ServeOptions:
         if bad:
             raise EldrError(f"--attach-batch {bad[0]!r}: a tcp:// endpoint, e.g."
                             " tcp://d0:5600")
+        if self.record is not None and self.proxy_workers > 1:
+            raise EldrError("--record writes one dataset from one process: drop --proxy-workers,"
+                            " or record with one proxy beside the others (--attach-*)")
         if not self.attach:
             return
+        if self.record is not None and not self.attach_batch:
+            raise EldrError("--record needs each decode worker's measured decode: give"
+                            " --attach-batch for every --attach-decode (workers started with"
+                            " `eldr worker-args decode --publish-batch`)")
         for flag, given in (("--vllm-arg", bool(self.vllm_args)),
                             ("--nixl-port", self.nixl_port is not None)):
             if given:
@@ -180,6 +189,7 @@ def plan(options: ServeOptions) -> ServePlan:
         self_check=None if o.skip_self_check else model.identity,
         checked_at_start=not o.skip_self_check, skip_self_check=o.skip_self_check,
         host=o.host, peers=o.peers, decode_batch_endpoints=batch_endpoints,
+        record=o.record,
     )
     check_free("--port", [o.port], o.host)
     return ServePlan(o, model, prefill_model, cluster, config, warning)

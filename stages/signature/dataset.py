@@ -7,6 +7,10 @@ Layout (zarr v3 group, every array chunked along ``request`` and compressed):
 - ``decode_counts``  int32 ``[request, layer, expert]``: the same over generated tokens.
 - ``prompt_tokens``, ``output_tokens`` int32 ``[request]``.
 - ``id``, ``domain``, ``prompt_sha256`` strings ``[request]``.
+- Traffic columns (``TRAFFIC_ARRAYS``), what `eldr serve --record` knows of a live request:
+  ``arrival_unix_s`` float64, ``ttft_s`` and ``latency_s`` float32 (NaN where unknown, as in
+  a capture), ``prompt`` string (empty unless prompts were asked for). A store written before
+  they existed gets them, filled as unknown, when it is next opened for appending.
 
 Group attributes hold the schema version, the model identity (name, L, E, top_k, MoE layer
 indices), the vLLM version and ``committed``: the number of complete rows. Appends write the
@@ -35,6 +39,10 @@ CHUNK_ROWS = 256
 COUNT_ARRAYS = ("prefill_counts", "decode_counts")
 SCALAR_ARRAYS = ("prompt_tokens", "output_tokens")
 STRING_ARRAYS = ("id", "domain", "prompt_sha256")
+# Not part of content_hash: they describe when and how fast a request was served, which does
+# not change what a fit learns from its counts.
+TRAFFIC_ARRAYS = {"arrival_unix_s": "float64", "ttft_s": "float32", "latency_s": "float32",
+                  "prompt": str}
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,11 @@ class CaptureRecord:
     output_tokens: int
     prefill_counts: np.ndarray  # [L, E]
     decode_counts: np.ndarray  # [L, E]
+    # A recorded live request's (TRAFFIC_ARRAYS); a capture knows none of them.
+    arrival_unix_s: float = float("nan")
+    ttft_s: float = float("nan")
+    latency_s: float = float("nan")
+    prompt: str = ""
 
 
 @dataclass(frozen=True)
@@ -214,6 +227,7 @@ class SignatureDataset:
                 name, shape=(0,), dtype=str, chunks=(CHUNK_ROWS * 16,),
                 dimension_names=["request"],
             )
+        _add_traffic_arrays(group, 0)
         _consolidate(group)
         return cls(group, path)
 
@@ -241,6 +255,16 @@ class SignatureDataset:
             output_tokens=columns["output_tokens"], prefill_counts=columns["prefill_counts"],
             decode_counts=columns["decode_counts"],
         )
+
+    def traffic(self) -> dict[str, np.ndarray]:
+        """The committed rows' traffic columns (``TRAFFIC_ARRAYS``); a store written before
+        they existed reads as unknown (NaN, empty prompts)."""
+        n = len(self)
+        out: dict[str, np.ndarray] = {}
+        for name, dtype in TRAFFIC_ARRAYS.items():
+            present = name in self._group
+            out[name] = np.asarray(self._group[name][:n]) if present else _unknown(dtype, n)
+        return out
 
     def content_hash(self) -> str:
         """sha256 over the committed rows, in order: identifies the data an artifact saw."""
@@ -271,6 +295,10 @@ class SignatureDataset:
             "id": np.array([r.id for r in records], dtype=object),
             "domain": np.array([r.domain for r in records], dtype=object),
             "prompt_sha256": np.array([r.prompt_sha256 for r in records], dtype=object),
+            "arrival_unix_s": np.array([r.arrival_unix_s for r in records], dtype=np.float64),
+            "ttft_s": np.array([r.ttft_s for r in records], dtype=np.float32),
+            "latency_s": np.array([r.latency_s for r in records], dtype=np.float32),
+            "prompt": np.array([r.prompt for r in records], dtype=object),
         }
         for name, values in columns.items():
             array = self._group[name]
@@ -290,11 +318,35 @@ class SignatureDataset:
 
     def _trim_uncommitted(self) -> None:
         n = len(self)
-        for name in COUNT_ARRAYS + SCALAR_ARRAYS + STRING_ARRAYS:
+        _add_traffic_arrays(self._group, n)
+        for name in COUNT_ARRAYS + SCALAR_ARRAYS + STRING_ARRAYS + tuple(TRAFFIC_ARRAYS):
             array = self._group[name]
             if array.shape[0] > n:
                 array.resize((n, *array.shape[1:]))
+            elif array.shape[0] < n:
+                # A traffic column behind the commit pointer (a run killed between its writes
+                # and the pointer's, by a release that wrote it last): unknown for those rows.
+                old = array.shape[0]
+                array.resize((n,))
+                array[old:] = _unknown(TRAFFIC_ARRAYS[name], n - old)
         _consolidate(self._group)
+
+
+def _unknown(dtype: Any, n: int) -> np.ndarray:
+    return np.full(n, "", dtype=object) if dtype is str else np.full(n, np.nan, dtype=dtype)
+
+
+def _add_traffic_arrays(group: zarr.Group, rows: int) -> None:
+    """Create the traffic columns a store lacks, ``rows`` long and unknown."""
+    for name, dtype in TRAFFIC_ARRAYS.items():
+        if name in group:
+            continue
+        array = group.create_array(
+            name, shape=(rows,), dtype=dtype, chunks=(CHUNK_ROWS * 16,),
+            dimension_names=["request"], fill_value="" if dtype is str else np.nan,
+        )
+        if rows:
+            array[:] = _unknown(dtype, rows)
 
 
 def _consolidate(group: zarr.Group) -> None:

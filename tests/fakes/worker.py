@@ -25,7 +25,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from stages.capture.batch_publisher import BatchPublisher, request_name
+from stages.capture.batch_publisher import (
+    RECORD_KEY,
+    BatchPublisher,
+    FinishedRequest,
+    request_name,
+)
 from stages.serve.proxy.self_check import PROBE_PROMPT
 from stages.signature import wire
 
@@ -94,6 +99,9 @@ class FakeBehavior:
     # Publishes the streams it holds as a decode worker with eldr's connector does.
     publisher: BatchPublisher | None = None
     handed_off: int = 0  # prefill hand-offs so far (distinct block ids without ``received``)
+    # Asked to record (RECORD_KEY): the decode counts it publishes when the request ends, as
+    # eldr's connector measures them (None: the prompt's signature times the tokens).
+    decode_counts: Callable[[dict[str, Any], int], np.ndarray] | None = None
 
     def reset(self) -> None:
         self.tokens, self.token_delay_s, self.delay_s = 4, 0.0, 0.0
@@ -157,6 +165,21 @@ def _self_check_answer(behavior: FakeBehavior, body: dict[str, Any]) -> Response
     return Response(orjson.dumps(data), media_type="application/json")
 
 
+def fake_decode_counts(body: dict[str, Any], tokens: int) -> np.ndarray:
+    """What a fake decode worker measured: the prompt's signature once per generated token."""
+    counts = domain_signature(body)
+    assert counts is not None
+    return counts.astype(np.int32) * tokens
+
+
+def _publish_finished(behavior: FakeBehavior, body: dict[str, Any], tokens: int) -> None:
+    kv = body.get("kv_transfer_params")
+    if behavior.publisher is None or not isinstance(kv, dict) or kv.get(RECORD_KEY) is not True:
+        return
+    counts = (behavior.decode_counts or fake_decode_counts)(body, tokens)
+    behavior.publisher.finished(FinishedRequest(request_name("", kv), 8, tokens, counts))
+
+
 def create_fake_worker(behavior: FakeBehavior) -> Starlette:
     async def completion(request: Request) -> Response:
         chat = request.url.path.endswith("/chat/completions")
@@ -182,6 +205,7 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
         n = int(body.get("max_tokens") or behavior.tokens)
         if not body.get("stream"):
             data = _completion(behavior, body, chat, n)
+            _publish_finished(behavior, body, n)
             return Response(orjson.dumps(data), media_type="application/json", headers=headers)
 
         async def events() -> AsyncIterator[bytes]:
@@ -191,6 +215,7 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
             try:
                 async for event in _events():
                     yield event
+                _publish_finished(behavior, body, n)
             finally:
                 if behavior.publisher is not None:
                     behavior.publisher.remove(held)

@@ -106,6 +106,8 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         "online_refit": refitter is not None,
         "refits": refitter.refits if refitter is not None else 0,
         "self_check": _self_check_mode(state),
+        # `eldr serve --record`: rows appended, waiting for their decode, dropped and why.
+        "recording": state.recorder.summary() if state.recorder is not None else None,
         "decode_workers": [
             {
                 "index": w.index,

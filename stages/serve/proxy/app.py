@@ -72,19 +72,26 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                 ("eldr-refit", refit_loop(state.router, state.metrics, c.refit_interval_s))
             )
         if state.decode.published is not None:
+            recorder = state.recorder
             loops.append(("eldr-batches", follow_batches(
-                c.decode_batch_endpoints, state.decode.published, c.batch_stale_after_s)))
+                c.decode_batch_endpoints, state.decode.published, c.batch_stale_after_s,
+                recorder.finished if recorder is not None else None)))
         tasks = [asyncio.create_task(coro, name=name) for name, coro in loops]
         for task in tasks:
             task.add_done_callback(_report_crash)
         try:
             yield
         finally:
+            if state.recorder is not None:
+                # Requests that ended in the drain: their counts are one publication away.
+                await state.recorder.settle(timeout_s=2.0)
             for task in tasks:
                 task.cancel()
             # Crashes were logged by _report_crash; here we only wait for the cancellations.
             await asyncio.gather(*tasks, return_exceptions=True)
             state._session = None
+            if state.recorder is not None:
+                await asyncio.to_thread(state.recorder.close)  # every row handed over, written
 
 
 def create_app(

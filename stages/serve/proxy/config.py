@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from stages.errors import EldrError
 from stages.routing.policies import POLICIES, reads_signatures
 from stages.routing.policy_config import PolicyConfig
+from stages.serve.proxy.recording import RecordConfig
 from stages.serve.proxy.workers import Ejection
 
 if TYPE_CHECKING:
@@ -82,6 +83,9 @@ class ProxyConfig:
     batch_stale_after_s: float = 2.0
     # --skip-self-check: the workers may be plain vLLM, so no policy may read signatures.
     skip_self_check: bool = False
+    # Append the requests routed to a signature dataset (`eldr serve --record`); needs every
+    # decode worker's batch endpoint (the workers measure and publish each request's decode).
+    record: RecordConfig | None = None
     # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and /admin/*, and
     # `admin_api_key` (when set, instead of `api_key`) on /admin/*. `worker_api_key` is what the
     # proxy sends to its workers; a client's own key is never passed on. Kept out of repr so a
@@ -109,6 +113,10 @@ class ProxyConfig:
                 self.decode_urls):
             raise EldrError(f"{len(self.decode_batch_endpoints)} batch endpoints for"
                             f" {len(self.decode_urls)} decode workers")
+        if self.record is not None and (
+                not self.decode_batch_endpoints or None in self.decode_batch_endpoints):
+            raise EldrError("recording needs every decode worker's batch endpoint: the workers"
+                            " measure each request's decode and publish it there")
         if self.artifact_store is not None:
             object.__setattr__(self, "artifact_store", Path(self.artifact_store))
         if not self.prefill_urls:

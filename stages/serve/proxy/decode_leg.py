@@ -71,7 +71,10 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
     # The name the request goes by on a decode worker that publishes its batch (None: no
     # worker does): each hand-off's request id, as a retry's is its own.
     tag = ctx.request_id if pool.published is not None else None
-    payload = ctx.legs.decode_payload(handoff.kv, tag)
+    recorder = state.recorder
+    record = recorder is not None and tag is not None and recorder.begin(
+        tag, handoff.kv, ctx.legs.key, ctx.arrived)
+    payload = ctx.legs.decode_payload(handoff.kv, tag, record)
     tried: list[int] = []
     failures: list[str] = []
     refreshes = 0
@@ -93,6 +96,8 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
         outcome = await _attempt(ctx, lease, payload)
         if not isinstance(outcome, Failure):
             pool.record_success(worker)
+            if record:
+                recorder.answered(tag)
             return outcome
         log.warning(
             "request %s: decode worker %s failed before streaming (%.1f s in): %s",
@@ -106,8 +111,13 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
             # prefill worker under the original id, and NIXL tracks hand-offs by request id.
             refreshes += 1
             retry = ctx.with_request_id(f"{ctx.request_id}-retry{refreshes}")
-            tag = retry.request_id if tag is not None else None
-            payload = ctx.legs.decode_payload(await run_prefill(retry), tag)
+            if tag is not None:
+                if record:
+                    recorder.renamed(tag, retry.request_id)
+                tag = retry.request_id
+            payload = ctx.legs.decode_payload(await run_prefill(retry), tag, record)
+    if record:
+        recorder.dropped(tag)
     if not tried:
         raise ProxyError(503, "no healthy decode worker", "no_decode_worker")
     raise ProxyError(

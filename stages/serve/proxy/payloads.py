@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from stages.capture.batch_publisher import REQUEST_TAG
+from stages.capture.batch_publisher import RECORD_KEY, REQUEST_TAG
 from stages.serve.proxy.request_body import dump_json, lax_int
 from stages.signature import wire
 
@@ -49,8 +49,8 @@ class Legs:
     lax_json: bool  # the body holds values only the stdlib's JSON writes back as they came
 
     def decode_payload(self, kv_transfer_params: dict[str, Any] | None,
-                       tag: str | None = None) -> bytes:
-        return dump_json(decode_body(self.body, kv_transfer_params, tag), self.lax_json)
+                       tag: str | None = None, record: bool = False) -> bytes:
+        return dump_json(decode_body(self.body, kv_transfer_params, tag, record), self.lax_json)
 
 
 def plan_legs(body: dict[str, Any], chat: bool, lax_json: bool = False) -> Legs:
@@ -90,10 +90,13 @@ def _min_tokens(body: dict[str, Any]) -> int:
 
 
 def decode_body(
-    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None, tag: str | None = None
+    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None, tag: str | None = None,
+    record: bool = False,
 ) -> dict[str, Any]:
     """``tag``: the name a decode worker that publishes its batch gives the request
-    (``batch_publisher.REQUEST_TAG``), so the proxy that sent it knows it for its own."""
+    (``batch_publisher.REQUEST_TAG``), so the proxy that sent it knows it for its own.
+    ``record`` (with a tag): the worker publishes the request's decode counts when it ends
+    (``batch_publisher.RECORD_KEY``)."""
     out = dict(body)
     if kv_transfer_params is None and tag is None:
         # No hand-off (prefill ran without a KV connector): the decode worker recomputes the
@@ -105,6 +108,8 @@ def decode_body(
     params = {k: v for k, v in (kv_transfer_params or {}).items() if k not in _SIGNATURE_KEYS}
     if tag is not None:
         params[REQUEST_TAG] = tag
+        if record:
+            params[RECORD_KEY] = True
     out["kv_transfer_params"] = params
     return out
 

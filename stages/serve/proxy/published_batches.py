@@ -25,7 +25,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from stages.capture.batch_publisher import BatchMessage
+from stages.capture.batch_publisher import BatchMessage, FinishedRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +80,18 @@ class PublishedBatches:
             del ended[name]
 
 
+OnFinished = Callable[[FinishedRequest], None]
+
+
 async def follow_batches(endpoints: tuple[str | None, ...], batches: PublishedBatches,
-                         stale_after_s: float) -> None:
+                         stale_after_s: float, on_finished: OnFinished | None = None) -> None:
     """Subscribe to every decode worker's batch and keep ``batches`` up to date (runs until
-    cancelled). ZMQ reconnects by itself, so a restarted worker is followed again."""
+    cancelled); recorded requests the workers report finished go to ``on_finished``. ZMQ
+    reconnects by itself, so a restarted worker is followed again."""
     context = zmq.asyncio.Context()
     try:
         await asyncio.gather(*(
-            _follow(context, worker, endpoint, batches, stale_after_s)
+            _follow(context, worker, endpoint, batches, stale_after_s, on_finished)
             for worker, endpoint in enumerate(endpoints) if endpoint is not None
         ))
     finally:
@@ -95,7 +99,8 @@ async def follow_batches(endpoints: tuple[str | None, ...], batches: PublishedBa
 
 
 async def _follow(context: zmq.asyncio.Context, worker: int, endpoint: str,
-                  batches: PublishedBatches, stale_after_s: float) -> None:
+                  batches: PublishedBatches, stale_after_s: float,
+                  on_finished: OnFinished | None) -> None:
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, b"")
     socket.setsockopt(zmq.RCVHWM, 16)
@@ -116,5 +121,8 @@ async def _follow(context: zmq.asyncio.Context, worker: int, endpoint: str,
                     warned = True
                 continue
             batches.heard(worker, message.requests)
+            if on_finished is not None:
+                for finished in message.finished:
+                    on_finished(finished)
     finally:
         socket.close(linger=0)

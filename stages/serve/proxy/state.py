@@ -16,6 +16,7 @@ from stages.serve.proxy.metrics import ProxyMetrics, RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.proxy.prefill_router import PrefillRouter
 from stages.serve.proxy.published_batches import PublishedBatches
+from stages.serve.proxy.recording import TrafficRecorder
 from stages.serve.proxy.rejoin import SelfChecks
 from stages.serve.proxy.upstream import leg_timeout
 from stages.serve.proxy.workers import WorkerPool
@@ -35,6 +36,7 @@ class ProxyState:
     restarts: RestartCounts = no_restarts
     # Self-checks of workers (re)joining rotation; None when the proxy does not know the model.
     checks: SelfChecks | None = None
+    recorder: TrafficRecorder | None = None  # `eldr serve --record`
     # Built once from the config: the per-request path only passes them along.
     prefill_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
     decode_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
@@ -116,6 +118,12 @@ def build_state(
             leg_timeout(config.self_check_timeout_s, config.connect_timeout_s),
             (prefill, decode), restarts, verified_at_start=config.checked_at_start,
         )
+    recorder = None
+    if config.record is not None:
+        from stages.vllm_compat import installed_vllm
+
+        recorder = TrafficRecorder(config.record, config.self_check, config.model or "unknown",
+                                   installed_vllm(), seed=config.seed)
     router = DecodeRouter(
         len(decode), config.policy, artifact, seed=config.seed, refitter=refitter,
         worker_slots=config.decode_slots, policy_config=config.policy_config,
@@ -131,4 +139,5 @@ def build_state(
         artifact_loader=artifact_loader,
         restarts=restarts,
         checks=checks,
+        recorder=recorder,
     )

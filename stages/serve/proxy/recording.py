@@ -1,0 +1,179 @@
+"""`eldr serve --record`: the proxy's own traffic, kept as a signature dataset `eldr fit` reads.
+
+For a sampled request (``RecordConfig.rate``) the proxy keeps what it knows when the prefill
+answers: the prompt's signature (the counts it routes on), a digest of the prompt (the prompt
+itself only with ``prompts``), when it arrived. It asks the decode worker to measure the decode
+(``batch_publisher.RECORD_KEY``); the worker publishes the request's decode counts per expert
+and its lengths when it ends, beside its batch (``FinishedRequest``), and the row is complete:
+it goes to a writer thread (``DatasetAppender``) and is appended in batches. Nothing here
+waits on a disk or a worker: the request path only files a small entry.
+
+Bounded: entries whose request never comes back (a worker that died, a message the PUB socket
+dropped) are forgotten after ``forget_after_s``, and at most ``max_pending`` wait; both are
+counted. The row's model identity is the served model's (``ProxyConfig.self_check``, as `eldr
+capture` writes it) when the proxy knows it, else read from the first signature (its shape,
+its MoE layer indices, and top-k as picks per prompt token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.capture.batch_publisher import FinishedRequest
+from stages.errors import EldrError
+from stages.signature import wire
+from stages.signature.appender import DatasetAppender
+from stages.signature.dataset import CaptureRecord, ModelIdentity
+
+DOMAIN = "traffic"  # the dataset's domain column for recorded rows
+
+
+@dataclass(frozen=True)
+class RecordConfig:
+    path: Path  # the signature dataset to append to (created if absent)
+    rate: float = 1.0  # the fraction of requests recorded
+    prompts: bool = False  # keep the prompt text; otherwise only its sha256
+
+    def __post_init__(self) -> None:
+        if not 0 < self.rate <= 1:
+            raise EldrError(f"--record-rate must be in (0, 1], not {self.rate:g}")
+
+
+@dataclass
+class _Pending:
+    prefill: np.ndarray  # int16 [L, E], as the prefill sent it
+    moe_layers: tuple[int, ...] | None
+    digest: str
+    prompt: str
+    arrival_unix_s: float
+    arrived: float  # time.monotonic()
+    ttft_s: float = math.nan
+
+
+class TrafficRecorder:
+    def __init__(self, config: RecordConfig, identity: ModelIdentity | None, model_name: str,
+                 vllm_version: str, seed: int = 0, max_pending: int = 65536,
+                 forget_after_s: float = 600.0) -> None:
+        self.config = config
+        self._appender = DatasetAppender(config.path, self._identity_of, vllm_version)
+        stored = self._appender.store_identity
+        if stored is not None and identity is not None and stored != identity:
+            self._appender.close()
+            raise EldrError(f"{config.path} holds signatures of {stored.describe()}, not of the"
+                            f" served {identity.describe()}; record into another path")
+        self._identity = stored or identity
+        self._model_name = model_name
+        self._rng = random.Random(seed)
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()  # oldest first
+        self._max_pending = max_pending
+        self._forget_after_s = forget_after_s
+        self.unmatched = 0  # finished requests this proxy did not record (other proxies')
+        self.forgotten = 0  # recorded requests whose decode counts never came
+        self.no_signature = 0  # sampled requests whose prefill sent no valid signature
+
+    # -- the request path (event loop) ---------------------------------------------------
+    def begin(self, name: str, kv_transfer_params: dict[str, Any] | None, prompt_key: bytes,
+              arrived: float) -> bool:
+        """Whether to record this request (sampled, and its prefill sent a signature); if so
+        its entry waits under ``name`` for the decode worker's counts."""
+        if self.config.rate < 1 and self._rng.random() >= self.config.rate:
+            return False
+        counts = wire.decode(kv_transfer_params)
+        if counts is None:
+            self.no_signature += 1
+            return False
+        now = time.monotonic()
+        self._forget(now)
+        if len(self._pending) >= self._max_pending:
+            self._pending.popitem(last=False)
+            self.forgotten += 1
+        self._pending[name] = _Pending(
+            prefill=counts, moe_layers=wire.decode_moe_layers(kv_transfer_params),
+            digest=hashlib.sha256(prompt_key).hexdigest(),
+            prompt=prompt_key.decode(errors="replace") if self.config.prompts else "",
+            arrival_unix_s=time.time() - (now - arrived), arrived=arrived,
+        )
+        return True
+
+    def renamed(self, old: str, new: str) -> None:
+        """A retry goes by a name of its own (a fresh hand-off)."""
+        entry = self._pending.pop(old, None)
+        if entry is not None:
+            self._pending[new] = entry
+
+    def answered(self, name: str) -> None:
+        """The decode worker's first bytes (a stream's first event, or a whole answer)."""
+        entry = self._pending.get(name)
+        if entry is not None and math.isnan(entry.ttft_s):
+            entry.ttft_s = time.monotonic() - entry.arrived
+
+    def dropped(self, name: str) -> None:
+        """The request will not come back to be recorded (it failed on every worker)."""
+        self._pending.pop(name, None)
+
+    # -- the worker's side (the batch subscription) -----------------------------------------
+    def finished(self, done: FinishedRequest) -> None:
+        entry = self._pending.pop(done.name, None)
+        if entry is None:
+            self.unmatched += 1
+            return
+        if self._identity is None:
+            self._identity = self._infer_identity(entry, done)
+        self._appender.put(CaptureRecord(
+            id=done.name, domain=DOMAIN, prompt_sha256=entry.digest,
+            prompt_tokens=done.prompt_tokens, output_tokens=done.output_tokens,
+            prefill_counts=entry.prefill.astype(np.int32), decode_counts=done.decode_counts,
+            arrival_unix_s=entry.arrival_unix_s, ttft_s=entry.ttft_s,
+            latency_s=time.monotonic() - entry.arrived, prompt=entry.prompt,
+        ))
+
+    # -- lifetime ---------------------------------------------------------------------------
+    async def settle(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the counts of requests that already ended."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    def close(self) -> None:
+        self._appender.close()
+
+    def summary(self) -> dict[str, Any]:
+        counts = self._appender.counts
+        return {
+            "path": str(self.config.path), "rate": self.config.rate,
+            "appended": counts.appended, "waiting": len(self._pending),
+            "dropped": {"writer_behind": counts.dropped_full, "wrong_shape": counts.dropped_shape,
+                        "write_failed": counts.failed, "never_finished": self.forgotten,
+                        "no_signature": self.no_signature},
+            "errors": list(counts.errors),
+        }
+
+    def _forget(self, now: float) -> None:
+        pending = self._pending
+        while pending:
+            entry = next(iter(pending.values()))
+            if now - entry.arrived < self._forget_after_s:
+                break
+            pending.popitem(last=False)
+            self.forgotten += 1
+
+    def _identity_of(self, _row: CaptureRecord) -> ModelIdentity:
+        assert self._identity is not None  # set before the first row is handed over
+        return self._identity
+
+    def _infer_identity(self, entry: _Pending, done: FinishedRequest) -> ModelIdentity:
+        num_layers, num_experts = entry.prefill.shape
+        picks = int(entry.prefill[0].sum())
+        top_k = round(picks / done.prompt_tokens) if done.prompt_tokens else 0
+        return ModelIdentity(self._model_name, num_layers, num_experts, max(top_k, 1),
+                             entry.moe_layers or ())

@@ -1,0 +1,294 @@
+"""`eldr serve --record`: decode workers measure a recorded request's decode and publish it
+when it ends; the proxy joins it with the prefill signature it routed on and appends the row
+to a signature dataset `eldr fit` reads. Here: the scheduler-side ledger, the wire, the writer
+thread, and proxies in front of fake workers that publish as eldr's connector does. The test
+against real vLLM is in tests/test_serve_real.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+
+from stages.capture.batch_publisher import RECORD_KEY, BatchMessage, FinishedRequest
+from stages.capture.ledger import SignatureLedger
+from stages.capture.messages import StepReport
+from stages.errors import EldrError
+from stages.serve.deploy import ServeOptions
+from stages.serve.proxy import create_app
+from stages.serve.proxy.recording import RecordConfig
+from stages.signature.appender import DatasetAppender
+from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
+from tests.conftest import free_port
+from tests.fakes.worker import (
+    BackgroundServer,
+    FakeBehavior,
+    create_fake_worker,
+    domain_signature,
+)
+from tests.test_proxy import fast_config
+
+
+def _remote_step(req_id: str, prompt_len: int, blocks: list[int]) -> SimpleNamespace:
+    """A decode worker's first step of a request whose prompt KV came from a prefill worker:
+    the prompt is computed already, one decode token is scheduled."""
+    new = SimpleNamespace(req_id=req_id, prompt_token_ids=list(range(prompt_len)),
+                          block_ids=(blocks,), num_computed_tokens=prompt_len)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                             num_computed_tokens=[])
+    return SimpleNamespace(num_scheduled_tokens={req_id: 1}, finished_req_ids=set(),
+                           scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           total_num_scheduled_tokens=1)
+
+
+def _next_step(req_id: str, computed: int) -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[req_id], new_block_ids=[None], resumed_req_ids=set(),
+                             num_computed_tokens=[computed])
+    return SimpleNamespace(num_scheduled_tokens={req_id: 1}, finished_req_ids=set(),
+                           scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           total_num_scheduled_tokens=1)
+
+
+def test_a_remote_request_asked_to_record_has_its_decode_counted_and_handed_over() -> None:
+    ledger = SignatureLedger(block_size=16, shape=None, count_decode=False)
+    ledger.mark_remote("r")
+    ledger.mark_record("r", "proxy-tag")
+    ledger.mark_remote("quiet")  # not asked: nothing counted, nothing handed over
+    plan = ledger.plan(_remote_step("r", 20, [3, 4]))
+    assert plan.decode_slots == {"r": [4 * 16 + 4]}  # position 20: block 4, offset 4
+    assert plan.snapshots == {}  # its prompt ran elsewhere: no signature here
+    assert ledger.plan(_remote_step("quiet", 20, [5, 6])).decode_slots == {}
+    step = np.zeros((2, 4), dtype=np.int32)
+    step[:, 1] = 1
+    ledger.apply(StepReport(decode_counts={"r": step}))
+    assert ledger.plan(_next_step("r", 21)).decode_slots == {"r": [4 * 16 + 5]}
+    assert ledger.finished("r", output_tokens=3) == {}  # the response carries nothing new
+    assert ledger.recorded == []  # the last step's counts are not in yet
+    ledger.apply(StepReport(decode_counts={"r": step}))
+    [(name, prompt_tokens, output_tokens, counts)] = ledger.recorded
+    assert (name, prompt_tokens, output_tokens) == ("proxy-tag", 20, 3)
+    np.testing.assert_array_equal(counts, 2 * step)
+
+
+def test_a_recorded_request_aborted_before_it_ran_is_forgotten() -> None:
+    ledger = SignatureLedger(block_size=16, shape=(2, 4), count_decode=False)
+    ledger.mark_record("gone", "tag")
+    ledger.finished("gone")
+    ledger.apply(None)
+    assert ledger.recorded == []
+    plan = ledger.plan(_remote_step("gone", 20, [1, 2]))  # the id reused: not asked this time
+    assert plan.decode_slots == {}
+
+
+def test_finished_requests_travel_with_the_batch_and_bad_ones_are_refused() -> None:
+    counts = np.arange(8, dtype=np.int32).reshape(2, 4)
+    message = BatchMessage(3, frozenset({"a"}), (FinishedRequest("b", 20, 5, counts),))
+    back = BatchMessage.decode(message.encode())
+    assert back.requests == {"a"} and back.finished[0].name == "b"
+    assert (back.finished[0].prompt_tokens, back.finished[0].output_tokens) == (20, 5)
+    np.testing.assert_array_equal(back.finished[0].decode_counts, counts)
+    assert "finished" not in json.loads(BatchMessage(4, frozenset()).encode())
+    raw = json.loads(message.encode())
+    for bad in ([{"name": "b", "prompt_tokens": 1, "output_tokens": -1}], [3], "x",
+                [{**raw["finished"][0], "decode_counts": {"eldr_signature": "@@"}}]):
+        with pytest.raises(ValueError):
+            BatchMessage.decode(json.dumps({**raw, "finished": bad}).encode())
+
+
+def _row(name: str, shape: tuple[int, int] = (2, 4)) -> CaptureRecord:
+    counts = np.ones(shape, dtype=np.int32)
+    return CaptureRecord(name, "traffic", "0" * 64, 8, 4, counts, counts)
+
+
+def test_the_writer_appends_in_batches_and_everything_handed_over_before_close(
+        tmp_path: Path) -> None:
+    identity = ModelIdentity("m", 2, 4, 2)
+    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v", batch_rows=3,
+                               flush_s=30)
+    for i in range(4):
+        assert appender.put(_row(f"r{i}"))
+    deadline = time.monotonic() + 10
+    while appender.counts.appended < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(SignatureDataset.open(tmp_path / "t.zarr")) == 3  # one full batch, committed
+    appender.put(_row("odd", shape=(3, 4)))  # another model's counts: never written
+    appender.close()
+    dataset = SignatureDataset.open(tmp_path / "t.zarr")
+    assert dataset.read().ids.tolist() == ["r0", "r1", "r2", "r3"]
+    assert appender.counts.dropped_shape == 1 and dataset.identity == identity
+
+
+def test_a_full_writer_queue_drops_and_counts(tmp_path: Path) -> None:
+    identity = ModelIdentity("m", 2, 4, 2)
+    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v", max_queued=1,
+                               flush_s=30, batch_rows=1000)
+    results = [appender.put(_row(f"r{i}")) for i in range(50)]
+    appender.close()
+    assert appender.counts.dropped_full == results.count(False) > 0
+    assert len(SignatureDataset.open(tmp_path / "t.zarr")) == results.count(True)
+
+
+def sparse_signature(body: dict) -> np.ndarray:
+    """The fakes' domain signature without its floor of ones, plus an expert of the prompt's
+    own: counts a fit can weigh (an expert every request picks carries no information)."""
+    counts = domain_signature(body) - 1
+    counts[:, 1 + len(body.get("prompt", "")) % (counts.shape[1] - 1)] += 5
+    return counts
+
+
+def sparse_decode(body: dict, tokens: int) -> np.ndarray:
+    return sparse_signature(body) * tokens
+
+
+@pytest.fixture
+def recorded_workers() -> Iterator[tuple[list[BackgroundServer], list[str]]]:
+    from stages.capture.batch_publisher import BatchPublisher
+
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    behaviors = [FakeBehavior("p0", signature=sparse_signature)] + [
+        FakeBehavior(f"d{i}", tokens=6, decode_counts=sparse_decode,
+                     publisher=BatchPublisher(e, min_interval_s=0.002, heartbeat_s=0.2))
+        for i, e in enumerate(endpoints)]
+    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    yield servers, endpoints
+    for server, behavior in zip(servers, behaviors, strict=True):
+        server.stop()
+        if behavior.publisher is not None:
+            behavior.publisher.close()
+
+
+def _recording_proxy(servers: list[BackgroundServer], endpoints: list[str], record: RecordConfig,
+                     **kw: object) -> BackgroundServer:
+    config = fast_config([servers[0].url], [s.url for s in servers[1:]], policy="jsq",
+                         decode_batch_endpoints=tuple(endpoints), record=record, **kw)
+    return BackgroundServer(create_app(config))
+
+
+def _prompt(i: int) -> str:
+    return f"request {i} domain={i % 4}"
+
+
+def test_the_proxy_records_each_request_with_what_its_decode_worker_measured(
+        recorded_workers: tuple[list[BackgroundServer], list[str]], tmp_path: Path) -> None:
+    servers, endpoints = recorded_workers
+    path = tmp_path / "traffic.zarr"
+    started = time.time()
+    with _recording_proxy(servers, endpoints, RecordConfig(path)) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for i in range(12):
+            body = {"prompt": _prompt(i), "max_tokens": 3 + i % 4, "stream": i % 2 == 0}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 10
+        while client.get("/admin/state").json()["recording"]["waiting"]:
+            assert time.monotonic() < deadline, "the workers' counts never came"
+            time.sleep(0.05)
+    # The proxy stopped: every row it joined is written.
+    dataset = SignatureDataset.open(path)
+    arrays, traffic = dataset.read(), dataset.traffic()
+    assert len(arrays) == 12 and set(arrays.domains) == {"traffic"}
+    by_prompt = {}
+    for row in range(12):
+        sha = arrays.prompt_sha256[row]
+        match = [i for i in range(12) if hashlib.sha256(_prompt(i).encode()).hexdigest() == sha]
+        assert len(match) == 1
+        by_prompt[match[0]] = row
+    for i, row in by_prompt.items():
+        body = {"prompt": _prompt(i)}
+        np.testing.assert_array_equal(arrays.prefill_counts[row], sparse_signature(body))
+        np.testing.assert_array_equal(arrays.decode_counts[row], sparse_decode(body, 3 + i % 4))
+        assert arrays.output_tokens[row] == 3 + i % 4 and arrays.prompt_tokens[row] == 8
+    assert (traffic["arrival_unix_s"] >= started - 1).all()
+    assert (traffic["latency_s"] >= traffic["ttft_s"]).all() and (traffic["ttft_s"] > 0).all()
+    assert set(traffic["prompt"].tolist()) == {""}  # prompts only when asked
+    identity = dataset.identity
+    assert (identity.num_layers, identity.num_experts) == domain_signature({}).shape
+
+
+def test_sampled_recording_keeps_prompts_when_asked_and_appends_to_the_same_dataset(
+        recorded_workers: tuple[list[BackgroundServer], list[str]], tmp_path: Path) -> None:
+    servers, endpoints = recorded_workers
+    path = tmp_path / "traffic.zarr"
+    for run in range(2):
+        record = RecordConfig(path, rate=0.5, prompts=True)
+        with _recording_proxy(servers, endpoints, record, seed=run) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=30) as client:
+            for i in range(40):
+                body = {"prompt": _prompt(i), "max_tokens": 2}
+                assert client.post("/v1/completions", json=body).status_code == 200
+            state = client.get("/admin/state").json()["recording"]
+            assert state["rate"] == 0.5
+    arrays, traffic = SignatureDataset.open(path).read(), SignatureDataset.open(path).traffic()
+    assert 20 <= len(arrays) <= 60  # about half of 80, from two runs into one dataset
+    assert set(traffic["prompt"].tolist()) <= {_prompt(i) for i in range(40)}
+    assert all(hashlib.sha256(p.encode()).hexdigest() == sha
+               for p, sha in zip(traffic["prompt"], arrays.prompt_sha256, strict=True))
+
+
+def test_the_recorded_dataset_is_what_eldr_fit_reads(
+        recorded_workers: tuple[list[BackgroundServer], list[str]], tmp_path: Path) -> None:
+    from stages.fit.fit_dataset import fit_dataset
+    from stages.fit.pipeline import FitConfig
+
+    servers, endpoints = recorded_workers
+    path = tmp_path / "traffic.zarr"
+    with _recording_proxy(servers, endpoints, RecordConfig(path)) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for i in range(24):
+            client.post("/v1/completions", json={"prompt": _prompt(i) + "." * (i % 5),
+                                                 "max_tokens": 2})
+    said: list[str] = []
+    artifact = fit_dataset(path, tmp_path / "store", FitConfig(k=2), "cpu", False, said.append,
+                           said.append)
+    assert artifact.centroids.shape[0] == 2
+    assert artifact.dataset_hash == SignatureDataset.open(path).content_hash()
+
+
+def test_recording_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    with pytest.raises(EldrError, match="--record-rate"):
+        RecordConfig(tmp_path / "t.zarr", rate=0)
+    with pytest.raises(EldrError, match="batch endpoint"):
+        fast_config(["http://p"], ["http://d"], record=RecordConfig(tmp_path / "t.zarr"))
+    record = RecordConfig(tmp_path / "t.zarr")
+    with pytest.raises(EldrError, match="--proxy-workers"):
+        ServeOptions(record=record, proxy_workers=2).check()
+    with pytest.raises(EldrError, match="--attach-batch"):
+        ServeOptions(record=record, attach_prefill=("http://p",),
+                     attach_decode=("http://d",)).check()
+    identity = ModelIdentity("other", 3, 4, 2)
+    SignatureDataset.create_or_open(tmp_path / "o.zarr", identity, "v")
+    with pytest.raises(EldrError, match="record into another path"):
+        create_app(fast_config(["http://p"], ["http://d"], decode_batch_endpoints=("tcp://x:1",),
+                               policy="jsq", record=RecordConfig(tmp_path / "o.zarr"),
+                               self_check=ModelIdentity("m", 2, 4, 2)))
+    not_a_dataset = tmp_path / "junk"
+    not_a_dataset.mkdir()
+    with pytest.raises(EldrError, match="zarr"):
+        create_app(fast_config(["http://p"], ["http://d"], decode_batch_endpoints=("tcp://x:1",),
+                               policy="jsq", record=RecordConfig(not_a_dataset)))
+
+
+def test_only_recorded_requests_ask_the_decode_worker_to_measure() -> None:
+    from stages.capture.batch_publisher import BatchPublisher
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    decode = FakeBehavior("d", tokens=2, publisher=BatchPublisher(endpoint, heartbeat_s=0.2))
+    with BackgroundServer(create_fake_worker(FakeBehavior("p"))) as prefill, \
+            BackgroundServer(create_fake_worker(decode)) as worker:
+        for record in (None, RecordConfig(Path("/nonexistent/never-written.zarr"), rate=0.001)):
+            config = fast_config([prefill.url], [worker.url], decode_batch_endpoints=(endpoint,),
+                                 policy="jsq", record=record)
+            with BackgroundServer(create_app(config)) as proxy:
+                for i in range(5):
+                    httpx.post(f"{proxy.url}/v1/completions", timeout=30,
+                               json={"prompt": f"x{i}", "max_tokens": 2}).raise_for_status()
+    decode.publisher.close()
+    sent = [r.body["kv_transfer_params"] for r in decode.received]
+    assert len(sent) == 10 and not any(RECORD_KEY in kv for kv in sent)  # none sampled
+    assert not Path("/nonexistent/never-written.zarr").exists()
