@@ -10,7 +10,9 @@ the decode profiles exactly as the simulator does, and it moves with the dial as
 (steepest near s = 0); a rank measure of prefill-to-decode similarity stays flat there.
 
 Held-out rows: those the artifact's fit held out when it was fit on this very dataset (its
-``dataset_hash``), else every row (the fit never saw them).
+``dataset_hash``), else every row (the fit never saw them). `eldr fit`'s own dial
+(``fit_dial``) labels every row out of fold instead, as the fit's cross-fitted gain does
+(``labelled_agreement``): a held-out fifth is too few requests per cluster at k = 16-20.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from stages.bench.sim.sim_workload import RoutingArtifact
-from stages.fit.gain import GainConfig, estimate_gain
+from stages.fit.gain import GainConfig, gain_from_labels, nearest_centroid
 from stages.fit.pipeline import split_requests
 from stages.signature.dataset import SignatureArrays
 from stages.signature.inclusion import inclusion_log_complement
@@ -61,15 +63,35 @@ def held_out_agreement(
     batch: int,
     seed: int,
 ) -> Agreement | None:
-    """The fit's gain at ``batch`` on ``rows`` of ``arrays``; None where the fit would not
-    estimate it (too few held-out requests per cluster)."""
+    """The fit's gain at ``batch`` on ``rows`` of ``arrays``, each routed to the artifact's
+    nearest centroid; None where the fit would not estimate it (too few held-out requests per
+    cluster)."""
+    labels = nearest_centroid(
+        np.asarray(artifact.transform.apply(arrays.prefill_counts[rows])),
+        np.asarray(artifact.centroids),
+    )
+    return labelled_agreement(arrays, rows, labels, len(artifact.centroids), top_k, batch, seed)
+
+
+def labelled_agreement(
+    arrays: SignatureArrays,
+    rows: np.ndarray,
+    labels: np.ndarray,
+    num_clusters: int,
+    top_k: int,
+    batch: int,
+    seed: int,
+) -> Agreement | None:
+    """The fit's gain at ``batch`` on ``rows`` of ``arrays`` labelled ``labels`` (each by
+    centroids not fit on it: the artifact's for held-out rows, a cross-fit's for every row);
+    None where the fit would not estimate it (too few requests per cluster)."""
     prefill, decode = arrays.prefill_counts[rows], arrays.decode_counts[rows]
     profiles = np.stack([
         inclusion_log_complement(d, top_k, fallback=p) for d, p in zip(decode, prefill, strict=True)
     ])
-    gain = estimate_gain(
-        np.asarray(artifact.transform.apply(prefill)),
-        np.asarray(artifact.centroids),
+    gain = gain_from_labels(
+        labels,
+        num_clusters,
         profiles,
         arrays.decode_counts.shape[1],
         GainConfig(batch_sizes=(batch,)),

@@ -17,7 +17,7 @@ with less than s = 1 at 1, each with a note.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -124,23 +124,42 @@ def locality_gauge(
     return Gauge(rows=rows, batch=found[0], source=source, value=found[1])
 
 
+# How a dial measures the agreement of its dataset blended at one strength: None where the gain
+# is not estimable there.
+Measure = Callable[[SignatureArrays], Agreement | None]
+
+
 def agreement_curve(
     arrays: SignatureArrays,
-    artifact: RoutingArtifact,
-    gauge: Gauge,
+    measure: Measure,
     strengths: Sequence[float],
     seed: int,
     top_k: int,
 ) -> list[tuple[float, Agreement]]:
-    """(strength, agreement of the dataset blended at it), sorted by strength; strengths
+    """(strength, ``measure`` of the dataset blended at it), sorted by strength; strengths
     where the gain is not estimable are left out."""
     curve = []
     for s in sorted(set(strengths)):
-        blended = blend_decode(arrays, s, seed, top_k)
-        found = held_out_agreement(blended, gauge.rows, artifact, top_k, gauge.batch, seed)
+        found = measure(blend_decode(arrays, s, seed, top_k))
         if found is not None:
             curve.append((s, found))
     return curve
+
+
+def curve_grid(extra: Sequence[float] = ()) -> list[float]:
+    """The agreement curve's strengths: every ``CURVE_STEP`` from 0 to 1, and ``extra``."""
+    return [*np.round(np.arange(0.0, 1.0 + CURVE_STEP / 2, CURVE_STEP), 6).tolist(), *extra]
+
+
+def place(
+    curve: Sequence[tuple[float, Agreement]], value: float, source: str
+) -> DataMark | None:
+    """``source``'s data, of agreement ``value``, marked where ``curve`` falls to it; None on
+    an empty curve."""
+    if not curve:
+        return None
+    strength, note = locate([(s, a.reduction) for s, a in curve], value)
+    return DataMark(source, value, strength, note)
 
 
 def locate(curve: Sequence[tuple[float, float]], value: float) -> tuple[float, str]:
@@ -187,13 +206,13 @@ def run_locality_sweep(
     )
     if gauge is None or artifact is None:
         return LocalitySweep(swept, comparisons)
-    grid = np.round(np.arange(0.0, 1.0 + CURVE_STEP / 2, CURVE_STEP), 6).tolist()
-    curve = agreement_curve(arrays, artifact, gauge, [*grid, *swept], config.seed, top_k)
-    mark = None
-    if curve:
-        strength, note = locate([(s, a.reduction) for s, a in curve], gauge.value)
-        mark = DataMark(gauge.source, gauge.value, strength, note)
-    return LocalitySweep(swept, comparisons, tuple(curve), gauge.batch, mark)
+
+    def measure(blended: SignatureArrays) -> Agreement | None:
+        return held_out_agreement(blended, gauge.rows, artifact, top_k, gauge.batch, config.seed)
+
+    curve = agreement_curve(arrays, measure, curve_grid(swept), config.seed, top_k)
+    return LocalitySweep(swept, comparisons, tuple(curve), gauge.batch,
+                         place(curve, gauge.value, gauge.source))
 
 
 def sweep_json(sweep: LocalitySweep, info: dict[str, Any]) -> dict[str, Any]:
