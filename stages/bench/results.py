@@ -15,6 +15,7 @@ from pathlib import Path
 import orjson
 
 from stages.bench.metrics import RequestRecord, RequestTable
+from stages.provenance import provenance
 
 # Keys eldr adds to a policy's metrics dict (from the decode workers or the simulator).
 EXPERT_KEYS = (
@@ -60,7 +61,8 @@ def policy_json(
 ) -> dict[str, object]:
     """One policy's file: ``vllm bench serve --save-result --save-detailed``'s keys (a live
     run's per-request lists hold one entry per request, failures included, as vLLM's do), and
-    eldr's additions (policy, expert counters, proxy state) beside them."""
+    eldr's additions (policy, expert counters, proxy state, versions and command) beside
+    them."""
     out: dict[str, object] = {
         "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": "openai",
@@ -69,6 +71,8 @@ def policy_json(
         "policy": result.policy,
         "request_rate": "inf" if math.isinf(request_rate) else request_rate,
         "burstiness": 1.0,  # Poisson arrivals
+        # eldr's and vLLM's versions and the command line, which `eldr report` shows.
+        **provenance(),
         **info,
         **result.metrics,
     }

@@ -174,6 +174,7 @@ def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: Signat
         sweep_json,
     )
     from stages.fit.artifact import ArtifactStore
+    from stages.provenance import provenance
 
     gauge = None
     if artifact is not None:
@@ -194,7 +195,7 @@ def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: Signat
     # Not Path.with_suffix: a rate such as 4.12 has a dot of its own.
     numbers = result_dir / f"sim-locality-dial-{rate}qps.json"
     doc = sweep_json(sweep, {"source": source, "duration_s": config.duration_s,
-                             "seed": config.seed, **_proxies_info(config)})
+                             "seed": config.seed, **_proxies_info(config), **provenance()})
     numbers.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     plot = plot_locality_dial(sweep, result_dir / f"sim-locality-dial-{rate}qps.png",
                               title=f"{source}: locality dial at {rate} req/s,"
