@@ -19,6 +19,7 @@ from eldr_cli import (
     capture_cmd,
     fit_cmd,
     models_cmd,
+    report_cmd,
     serve_cmd,
     worker_args_cmd,
 )
@@ -45,6 +46,9 @@ app.command("serve", help="Start vLLM prefill/decode workers behind the routing 
 )
 app.command("bench", help="Compare routing policies on the live proxy, or simulate a cluster.")(
     bench_cmd.bench
+)
+app.command("report", help="Write the results and the fit's verdict as one shareable HTML page.")(
+    report_cmd.report
 )
 app.add_typer(artifacts_cmd.app, name="artifacts", help="List and inspect fitted artifacts.")
 app.command("models", help="List model presets and whether their weights are available.")(
