@@ -163,8 +163,9 @@ def test_the_page_holds_verdict_tables_plots_versions_and_commands(home: Home) -
                                           f" / {ratios['p99_tpot_ms_over_best_balancer'][0]:.2f}")
     mark = dial_doc["data_mark"]  # the fit's held-out gain placed on the dial
     assert f"your data: s = {_fmt(mark['strength'])} ({html.escape(mark['source'])})" in page
+    # The artifact's own dial entry, where this eldr's fit computes one.
     dial_section = page[page.index("<h2>Locality dial</h2>"):page.index("<h2>Live results")]
-    assert "<p>not computed</p>" in dial_section  # the artifact has no dial entry yet
+    assert ("<p>not computed</p>" in dial_section) == ("dial" not in artifact.metrics)
     # Every plot of every folder, and the fit's, inlined.
     pngs = [*home.live.glob("*.png"), *home.sim.glob("*.png"), *home.dial.glob("*.png"),
             home.store / artifact.version / "fit.png"]
@@ -205,21 +206,32 @@ def test_input_text_is_escaped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert html.escape("eldr bench --policies '<b>bold</b>'") in page
 
 
-def test_an_artifact_dial_entry_is_shown(tmp_path: Path) -> None:
+def _save_artifact(store: ArtifactStore, metrics: dict[str, object]) -> str:
+    """A small artifact through the real store (its centroids do not matter here)."""
     identity = ModelIdentity(name="syn", num_layers=2, num_experts=4, top_k=1)
     transform = SignatureTransform(idf=np.ones((2, 4), np.float32),
                                    layer_mask=np.array([True, True]))
+    return store.save(centroids=np.eye(2, 8, dtype=np.float32), transform=transform,
+                      identity=identity, dataset_hash="ab" * 32, params={"k": 2},
+                      metrics=metrics)
+
+
+def _dial_section(page: str) -> str:
+    return page[page.index("<h2>Locality dial</h2>"):page.index("<h2>Live results")]
+
+
+def test_an_artifact_dial_entry_is_shown_or_said_not_computed(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path / "store")
-    version_ = store.save(centroids=np.eye(2, 8, dtype=np.float32), transform=transform,
-                          identity=identity, dataset_hash="ab" * 32, params={"k": 2},
-                          metrics={"dial": {"strength": 0.375, "batch_size": 8}})
+    with_dial = _save_artifact(store, {"dial": {"strength": 0.375, "batch_size": 8}})
     # A version folder reads as its artifact, as the store does.
-    page = render(gather([store.root / version_]))
-    dial_section = page[page.index("<h2>Locality dial</h2>"):page.index("<h2>Live results")]
-    assert "not computed" not in dial_section
-    assert "<th>strength</th><td><code>0.375</code></td>" in dial_section
+    page = render(gather([store.root / with_dial]))
+    assert "not computed" not in _dial_section(page)
+    assert "<th>strength</th><td><code>0.375</code></td>" in _dial_section(page)
     # No gain estimate in this artifact: no verdict, said so.
     assert '<p class="verdict">not computed: this artifact predates the gain estimate' in page
+    without = _save_artifact(store, {"holdout": {}})
+    page = render(gather([store.root / without]))
+    assert f"<h3>artifact {without}</h3>\n<p>not computed</p>" in _dial_section(page)
 
 
 def test_no_paths_reads_the_default_places(home: Home, tmp_path: Path,
@@ -270,3 +282,11 @@ def test_the_command_line_is_recorded_as_typed() -> None:
     assert command_line(["/x/.venv/bin/eldr", "bench", "--policies", "a b"]) == (
         "eldr bench --policies 'a b'")
     assert command_line(["/x/eldr_cli/__main__.py", "fit"]) == "eldr fit"
+
+
+def test_the_fit_s_own_dial_sentence_heads_its_entry(tmp_path: Path) -> None:
+    dial = pytest.importorskip("stages.fit.dial")  # the fit stage's dial, where it has one
+    entry = {"skipped": "the dial's dataset holds <10 requests"}
+    _save_artifact(ArtifactStore(tmp_path), {"dial": entry})
+    page = render(gather([tmp_path]))
+    assert f'<p class="verdict">{html.escape(dial.dial_line(entry))}</p>' in _dial_section(page)

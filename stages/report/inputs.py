@@ -96,6 +96,7 @@ class FitSummary:
     expected_gain: dict[str, Any] | None  # cross-fitted estimate (``stages.fit.gain``)
     holdout_gain: dict[str, Any] | None  # the held-out split's, with the artifact's centroids
     dial: Any  # the metrics' "dial" entry; None: not computed by this fit
+    dial_line: str | None  # the sentence `eldr fit` prints of it, where this eldr can
     warnings: tuple[str, ...]
     plot: Plot | None
     provenance: Provenance
@@ -341,7 +342,7 @@ def _fit_summary(store_root: Path, version: str) -> FitSummary:
         verdict=_verdict(metrics.get("expected_gain")),
         expected_gain=_dict_or_none(metrics.get("expected_gain")),
         holdout_gain=_dict_or_none(metrics.get("holdout_gain")),
-        dial=metrics.get("dial"),
+        dial=metrics.get("dial"), dial_line=_dial_line(metrics.get("dial")),
         warnings=tuple(str(w) for w in warnings) if isinstance(warnings, list) else (),
         plot=_plot(png, "fit") if png.is_file() else None,
         provenance=_fit_provenance(artifact.params, metrics),
@@ -362,6 +363,22 @@ def _verdict(gain: object) -> str:
         return verdict_line(gain)
     except (KeyError, TypeError, IndexError, ValueError) as exc:
         return f"unreadable: the artifact's expected_gain lacks {exc}"
+
+
+def _dial_line(dial: object) -> str | None:
+    """The fit stage's own sentence for its dial entry; None where this eldr has no such
+    sentence or the entry is not in the shape it reads (the page then shows the entry's
+    fields as stored)."""
+    if not isinstance(dial, dict):
+        return None
+    try:
+        from stages.fit.dial import dial_line
+    except ImportError:
+        return None
+    try:
+        return dial_line(dial)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
 
 
 def _fit_provenance(*sources: Mapping[str, Any]) -> Provenance:

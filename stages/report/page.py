@@ -139,7 +139,14 @@ def _dial_section(fits: Sequence[FitSummary], folders: Sequence[ResultsFolder]) 
     out = ["<h2>Locality dial</h2>"]
     for fit in fits:
         out.append(f"<h3>artifact {esc(fit.version)}</h3>")
-        out.append("<p>not computed</p>" if fit.dial is None else _value(fit.dial))
+        if fit.dial is None:
+            out.append("<p>not computed</p>")
+        elif fit.dial_line is None:
+            out.append(_value(fit.dial))
+        else:
+            # <details> folds the stored numbers under the sentence, with no script.
+            out.append(f'<p class="verdict">{esc(fit.dial_line)}</p><details><summary>the'
+                       f" dial's stored figures</summary>{_value(fit.dial)}</details>")
     for folder in folders:
         for dial in folder.dials:
             out.append(_dial_table(folder, dial))
