@@ -10,6 +10,7 @@ import typer
 
 def report(
     inputs: Annotated[list[Path] | None, typer.Argument(
+        metavar="PATHS",
         help="Results folders from `eldr bench` (--result-dir) and artifact stores or version"
         " folders from `eldr fit`. Default: every results folder under $ELDR_HOME/results,"
         " newest first, and the latest artifact in $ELDR_HOME/artifacts.",
