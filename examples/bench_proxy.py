@@ -22,6 +22,8 @@ others leave it: compare routers within one run, and read the CPU columns.
     python -m examples.bench_proxy                       # from the repo root; about 15 min
     python -m examples.bench_proxy --seconds 10 --concurrency 64 --workloads plain paced
     python -m examples.bench_proxy --routers eldr-union --profile prof/   # where its CPU goes
+    python -m examples.bench_proxy --routers eldr-union-pub eldr-union-rec --workloads plain \
+        --concurrency 64                                  # what `eldr serve --record` costs
 
 ``--profile DIR`` samples each eldr router with py-spy (``pip install py-spy``) during every
 point: a flame graph per point in DIR, and the functions with the most CPU printed.
@@ -58,7 +60,10 @@ except ModuleNotFoundError as exc:
     raise SystemExit(f"{exc}: run from the repo root as `python -m examples.bench_proxy`") from exc
 
 # "-2p": the same policy with two proxy processes on the port (eldr serve --proxy-workers 2).
-ROUTERS = ("direct", "eldr-union", "eldr-union-2p", "rr", "vllm-router")
+# "-pub": subscribed to each decode worker's published batch (--attach-batch); "-rec": the same,
+# recording every request (--record), so the pair shows what recording adds.
+ROUTERS = ("direct", "eldr-union", "eldr-union-2p", "eldr-union-pub", "eldr-union-rec", "rr",
+           "vllm-router")
 WORKLOADS = ("plain", "burst", "paced")
 
 
@@ -94,12 +99,31 @@ class Point:
 
 # -- fake workers -------------------------------------------------------------------------
 
-def serve_fakes(ports: list[int], tokens: int, pace_s: float) -> None:
-    """One process, one fake vLLM server on every port (prefill or decode by the request)."""
+def serve_fakes(ports: list[int], tokens: int, pace_s: float,
+                batch_ports: list[int] | None = None) -> None:
+    """One process, one fake vLLM server on every port (prefill or decode by the request).
+    With ``batch_ports`` each is a decode worker publishing its batch there, as eldr's
+    connector does (and the decode counts of requests a proxy records)."""
     import uvicorn
 
-    app = create_fake_worker(FakeBehavior("bench", tokens=tokens, token_delay_s=pace_s,
-                                          record=False))
+    from stages.capture.batch_publisher import BatchPublisher
+
+    def fake(publish: int | None) -> object:
+        publisher = None if publish is None else BatchPublisher(f"tcp://127.0.0.1:{publish}")
+        return create_fake_worker(FakeBehavior("bench", tokens=tokens, token_delay_s=pace_s,
+                                               record=False, publisher=publisher))
+
+    apps = {port: fake(batch_ports[i] if batch_ports else None) for i, port in enumerate(ports)}
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "lifespan":  # the fakes need no start-up
+            await receive()  # type: ignore[operator]
+            await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
+            await receive()  # type: ignore[operator]
+            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
+            return
+        await apps[scope["server"][1]](scope, receive, send)  # type: ignore[operator]
+
     socks = []
     for port in ports:
         s = socket.socket()
@@ -112,7 +136,7 @@ def serve_fakes(ports: list[int], tokens: int, pace_s: float) -> None:
 # -- routers ------------------------------------------------------------------------------
 
 def start_router(name: str, port: int, prefill: list[str], decode: list[str],
-                 home: Path) -> subprocess.Popen[bytes] | None:
+                 batches: list[str], home: Path) -> subprocess.Popen[bytes] | None:
     if name == "direct":
         return None
     if name == "vllm-router":
@@ -124,8 +148,8 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
         for url in decode:
             argv += ["--decode", url]
     else:
-        policy = name.removesuffix("-2p")
-        processes = "1" if policy == name else "2"
+        policy = name.removesuffix("-2p").removesuffix("-pub").removesuffix("-rec")
+        processes = "2" if name.endswith("-2p") else "1"
         # Capacity, not load shedding, is measured: no bound on the requests in flight (the
         # default sheds past 256 when the workers' slots are unknown, as with --attach-*).
         argv = [sys.executable, "-m", "eldr_cli", "serve", "--policy", policy, "--port",
@@ -133,11 +157,19 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
                 "--max-queued", str(10**9)]
         for url in prefill:
             argv += ["--attach-prefill", url]
-        for url in decode:
+        for i, url in enumerate(decode):
             argv += ["--attach-decode", url]
+            if name.endswith(("-pub", "-rec")):
+                argv += ["--attach-batch", batches[i]]
+        if name.endswith("-rec"):
+            argv += ["--record", "--record-to", str(recorded(home, name))]
     log = (home / f"{name}.log").open("wb")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "ELDR_HOME": str(home)}, start_new_session=True)
+
+
+def recorded(home: Path, router: str) -> Path:
+    return home / f"{router}-traffic.zarr"
 
 
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
@@ -305,13 +337,15 @@ def main() -> int:
     for paced in sorted({w == "paced" for w, _ in plan}):
         # Paced and unpaced streams need differently behaving fakes: one set each.
         ports = free_ports(args.prefill + args.decode + 1)
+        batch_ports = free_ports(args.decode)
         prefill = [f"http://127.0.0.1:{p}" for p in ports[:args.prefill]]
         decode = [f"http://127.0.0.1:{p}" for p in ports[args.prefill:-1]]
+        batches = [f"tcp://127.0.0.1:{p}" for p in batch_ports]
         fakes = [ctx.Process(target=serve_fakes, daemon=True,
                              args=(ports[:args.prefill], args.tokens, 0.0)),
                  ctx.Process(target=serve_fakes, daemon=True,
                              args=(ports[args.prefill:-1], args.tokens,
-                                   args.pace_ms / 1000 if paced else 0.0))]
+                                   args.pace_ms / 1000 if paced else 0.0, batch_ports))]
         for f in fakes:
             f.start()
         try:
@@ -319,7 +353,7 @@ def main() -> int:
                 wait_healthy(url, 60, lambda: None, interval_s=0.1)
             for router in args.routers:
                 port = ports[-1]
-                proc = start_router(router, port, prefill, decode, home)
+                proc = start_router(router, port, prefill, decode, batches, home)
                 url = decode[0] if proc is None else f"http://127.0.0.1:{port}"
                 try:
                     if proc is not None:
@@ -338,6 +372,11 @@ def main() -> int:
                             print(top_functions(args.profile / f"{name}.txt"), flush=True)
                 finally:
                     stop(proc)
+                if router.endswith("-rec"):
+                    from stages.signature.dataset import SignatureDataset
+
+                    print(f"{router}: {len(SignatureDataset.open(recorded(home, router)))} rows"
+                          " recorded", flush=True)
         finally:
             for f in fakes:
                 f.kill()

@@ -439,6 +439,52 @@ def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_w
               f" every proxy within one request of vLLM on every decode worker: {samples}")
 
 
+def test_a_recording_proxy_keeps_each_requests_decode_as_the_decode_workers_measured_it(
+    deployment: Deployment, tmp_path: Path,
+) -> None:
+    """`eldr serve --attach-* --attach-batch --record` beside the deployment, policy eldr-union
+    (no artifact): each request it routes becomes a row of a dataset `eldr fit` reads, with
+    the prefill signature and the decode counts the decode worker measured. Asked as `eldr
+    capture` asked (greedy, 16 tokens, ignore_eos), the rows equal the capture's."""
+    from stages.paths import CALIBRATION_PROMPTS
+    from stages.prompts import load_prompts
+    from tests.conftest import CALIBRATION_TOKENS
+
+    state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
+    traffic = tmp_path / "traffic.zarr"
+    args = ["--model", "tiny", "--policy", "eldr-union", "--record", "--record-to", str(traffic)]
+    for url in deployment.prefill_urls:
+        args += ["--attach-prefill", url]
+    for w in state["decode_workers"]:
+        args += ["--attach-decode", w["url"], "--attach-batch", w["batch_endpoint"]]
+    prompts = load_prompts(CALIBRATION_PROMPTS)[:10]
+    with running_serve(args, deployment.home, timeout_s=180) as recording:
+        for i, prompt in enumerate(prompts):
+            body = {"model": "tiny", "prompt": prompt.prompt, "temperature": 0,
+                    "max_tokens": CALIBRATION_TOKENS, "ignore_eos": True, "stream": i % 2 == 0}
+            httpx.post(f"{recording.url}/v1/completions", json=body,
+                       timeout=120).raise_for_status()
+    recorded = SignatureDataset.open(traffic)
+    captured = SignatureDataset.open(deployment.dataset)
+    assert recorded.identity == captured.identity  # the served model's, as capture writes it
+    rows, cap = recorded.read(), captured.read()
+    assert len(rows) == len(prompts)
+    row_of = {sha: i for i, sha in enumerate(cap.prompt_sha256)}
+    for r in range(len(rows)):
+        c = row_of[rows.prompt_sha256[r]]
+        assert rows.output_tokens[r] == CALIBRATION_TOKENS
+        assert rows.prompt_tokens[r] == cap.prompt_tokens[c]
+        np.testing.assert_array_equal(rows.prefill_counts[r], cap.prefill_counts[c])
+        # Every token the decode worker ran forward (all but the last sampled), top-k picks in
+        # every MoE layer: the worker counted each exactly once.
+        per_layer = rows.decode_counts[r].sum(axis=1)
+        assert (per_layer == recorded.identity.top_k * (CALIBRATION_TOKENS - 1)).all()
+        np.testing.assert_array_equal(rows.decode_counts[r], cap.decode_counts[c])
+    assert np.isfinite(recorded.traffic()["latency_s"]).all()
+    eldr_ok("fit", "--data", str(traffic), "--k", "2", "--store", str(tmp_path / "store"),
+            home=deployment.home)
+
+
 def test_killing_a_decode_worker_loses_no_unstarted_request(deployment: Deployment) -> None:
     """Non-streamed requests have sent nothing yet, so all must succeed via retries."""
     httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "rr"},
