@@ -35,7 +35,8 @@ def show(
     version: Annotated[str, typer.Argument(help="Version (or 'latest').")] = "latest",
     store: StoreOption = None,
     gain: Annotated[bool, typer.Option(
-        "--gain", help="Print only the per-step gain estimate `eldr fit` printed, as text.")
+        "--gain", help="Print only the per-step gain estimate and the locality dial line `eldr"
+        " fit` printed, as text.")
     ] = False,
 ) -> None:
     """Print an artifact's model identity, fit parameters and metrics as JSON."""
@@ -43,6 +44,7 @@ def show(
 
     from stages.errors import EldrError
     from stages.fit.artifact import ArtifactStore
+    from stages.fit.dial import dial_line
     from stages.fit.gain_report import gain_lines
 
     artifact = ArtifactStore(store or paths.default_artifact_store()).load(version)
@@ -53,6 +55,8 @@ def show(
                             " with `eldr fit`")
         for line in gain_lines(estimate, artifact.num_clusters):
             typer.echo(line)
+        if "dial" in artifact.metrics:
+            typer.echo(dial_line(artifact.metrics["dial"]))
         return
     typer.echo(json.dumps({
         "version": artifact.version,

@@ -35,20 +35,41 @@ def fit(
         help="Decode batch sizes to estimate the per-step gain at, comma separated, e.g."
         " 8,16,32: those your decode workers run. Default: 4,8,16,32.",
         show_default=False)] = None,
+    dial: Annotated[bool, typer.Option(
+        "--dial/--no-dial",
+        help="Place the data on the locality dial (the blend strength whose cross-fitted gain"
+        " equals yours) and simulate 8P16D there: eldr-union's TPOT over the best load balancer"
+        " with its interval over 5 short runs. A few seconds; stored with the artifact.")
+    ] = True,
+    dial_data: Annotated[Path | None, typer.Option(
+        help="--dial: the signature dataset to build the dial on, of the same model; another"
+        " dataset costs a second fit on it. Default: $ELDR_HOME/signatures.zarr (what `eldr"
+        " bench --simulate` sweeps) if it holds this model's signatures, else --data.",
+        show_default=False)] = None,
 ) -> None:
     """Fit the signature transform (IDF, layer mask) and balanced spherical k-means centroids,
     and save them as an immutable, content-addressed artifact version. Prints what routing by
     centroid should buy per decode step, estimated on every request with centroids fit without
-    it (cross-fit), and the TPOT change it predicts."""
+    it (cross-fit), the TPOT change it predicts, and where the data sits on the locality dial
+    with what a simulated cluster gives there."""
     from stages.fit.fit_dataset import fit_dataset
     from stages.fit.gain import GainConfig
     from stages.fit.pipeline import FitConfig
 
     gain = GainConfig() if decode_batch is None else GainConfig(batch_sizes=_batch_sizes(
         decode_batch))
-    fit_dataset(data or paths.default_dataset(), store or paths.default_artifact_store(),
+    data = data or paths.default_dataset()
+    runner = None
+    if dial:
+        from stages.bench.sim.fit_dial import choose_dial_data, fit_dial
+
+        runner = fit_dial(choose_dial_data(data, dial_data), progress=typer.echo)
+    elif dial_data is not None:
+        raise typer.BadParameter("--dial-data builds the dial: drop --no-dial",
+                                 param_hint="'--dial-data'")
+    fit_dataset(data, store or paths.default_artifact_store(),
                 FitConfig(k=k, balanced=balanced, seed=seed, gain=gain), cost, plot,
-                echo=typer.echo, warn=lambda line: typer.echo(line, err=True))
+                echo=typer.echo, warn=lambda line: typer.echo(line, err=True), dial=runner)
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:

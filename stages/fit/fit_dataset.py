@@ -4,17 +4,22 @@ what it predicts told to the user as it goes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
+from stages.fit.dial import DialRunner
 from stages.fit.pipeline import FitConfig, fit_artifact
 
 
 def fit_dataset(data: Path, store: Path, config: FitConfig, cost: str, plot: bool,
-                echo: Callable[[str], None], warn: Callable[[str], None]) -> Artifact:
+                echo: Callable[[str], None], warn: Callable[[str], None],
+                dial: DialRunner | None = None) -> Artifact:
     """Fit ``config`` on the dataset at ``data`` into ``store``; ``cost`` names the step-time
-    model of the predicted TPOT change ('gpu', 'cpu' or a fitted JSON file)."""
+    model of the predicted TPOT change ('gpu', 'cpu' or a fitted JSON file); ``dial``, given
+    the dataset's arrays, places them on the locality dial."""
+    from stages.fit.dial import dial_line
     from stages.fit.fit_plot import plot_fit
     from stages.fit.gain_report import gain_lines
     from stages.routing.cost_model import cost_model_for
@@ -44,6 +49,7 @@ def fit_dataset(data: Path, store: Path, config: FitConfig, cost: str, plot: boo
     artifact = fit_artifact(
         arrays.prefill_counts, arrays.decode_counts, identity, dataset.content_hash(), config,
         artifact_store, progress=echo, cost=step_cost,
+        dial=None if dial is None else partial(dial, arrays),
     )
     echo(f"artifact {artifact.version} saved in {artifact_store.root} (now 'latest')")
     for key, value in artifact.metrics.items():
@@ -57,6 +63,8 @@ def fit_dataset(data: Path, store: Path, config: FitConfig, cost: str, plot: boo
              " decode batch of each size")
     for line in gain_lines(artifact.metrics["expected_gain"], k):
         echo(line)
+    if "dial" in artifact.metrics:
+        echo(dial_line(artifact.metrics["dial"]))
     if plot:
         png = artifact_store.root / artifact.version / "fit.png"
         plot_fit(artifact, png)

@@ -22,7 +22,8 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
-from stages.fit.cross_fit import Clustering, cross_fit_labels
+from stages.fit.cross_fit import Clustering, CrossFit, cross_fit_labels
+from stages.fit.dial import DialHook, DialInput
 from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain, gain_from_labels
 from stages.fit.kmeans import balanced_spherical_kmeans
 from stages.signature.dataset import ModelIdentity
@@ -71,11 +72,13 @@ def fit_artifact(
     store: ArtifactStore,
     progress: Callable[[str], None] | None = None,
     cost: StepTimeModel | None = None,
+    dial: DialHook | None = None,
 ) -> Artifact:
     """Fit transform + (balanced) spherical k-means, save the artifact, return it as loaded.
 
     ``cost`` turns the per-step distinct-expert estimate into a TPOT change; without it only
-    the expert counts are estimated.
+    the expert counts are estimated. ``dial`` places the data on the locality dial; what it
+    returns is stored as the metrics' ``dial``.
     """
     say = progress or (lambda _msg: None)
     prefill, decode = _checked_counts(prefill_counts, decode_counts, identity)
@@ -89,6 +92,9 @@ def fit_artifact(
     transform, km = fitted.transform, fitted.kmeans
     x_held = transform.apply(prefill[held])
     profiles = step_profiles(prefill, decode, identity)  # every request's, held-out ones too
+    say(f"per-step gain: {config.folds}-fold cross-fit over all {len(prefill)} requests,"
+        f" batch sizes {list(config.gain.batch_sizes)}")
+    crossed = cross_fit(prefill, decode, fitted, config, say)
     metrics: dict[str, Any] = {
         "cluster_sizes": np.bincount(km.labels, minlength=config.k).tolist(),
         "mean_within_cluster_cosine": km.objective / len(train),
@@ -100,9 +106,7 @@ def fit_artifact(
             x_held, decode[held], km.centroids, config.eval_batch_size,
             np.random.default_rng(config.seed + 1),
         ),
-        "expected_gain": cross_fit_gain(
-            prefill, decode, profiles, identity, fitted, config, say, cost
-        ),
+        "expected_gain": cross_fit_gain(crossed, profiles, identity, config, cost),
         # The same estimate on the held-out requests only, with the artifact's own centroids:
         # the locality dial measures simulated datasets this way and places this value on it.
         "holdout_gain": estimate_gain(
@@ -113,6 +117,11 @@ def fit_artifact(
             len(train), config.k, km.objective / len(train), config.holdout_fraction
         ),
     }
+    if dial is not None:
+        # Before the save: the metrics are part of the artifact's content hash.
+        metrics["dial"] = dial(DialInput(
+            identity, dataset_hash, config, crossed.labels, metrics["expected_gain"], cost
+        ))
     params = {
         **asdict(config),
         "num_requests": len(prefill),
@@ -157,26 +166,31 @@ def fit_clustering(
     return Clustering(transform=transform, kmeans=km, rho_trace=rho_trace)
 
 
-def cross_fit_gain(
+def cross_fit(
     prefill: np.ndarray,
     decode: np.ndarray,
-    profiles: np.ndarray,
-    identity: ModelIdentity,
     reference: Clustering,
     config: FitConfig,
-    progress: Callable[[str], None],
-    cost: StepTimeModel | None,
-) -> dict[str, Any]:
-    """The per-step gain on every request, each labelled by a fit on the other folds and
-    named by ``reference``'s (the artifact's) clusters; ``profiles``: the requests'
-    ``step_profiles``."""
-    progress(f"per-step gain: {config.folds}-fold cross-fit over all {len(prefill)} requests,"
-             f" batch sizes {list(config.gain.batch_sizes)}")
-    crossed = cross_fit_labels(
+    progress: Callable[[str], None] | None = None,
+) -> CrossFit:
+    """Every request labelled by a clustering fit as ``fit_clustering`` fits the artifact, on
+    the other folds, and named by ``reference``'s (the artifact's) clusters."""
+    return cross_fit_labels(
         prefill, reference, config.folds, config.seed,
         fit=lambda rows: fit_clustering(prefill[rows], decode[rows], config),
         progress=progress,
     )
+
+
+def cross_fit_gain(
+    crossed: CrossFit,
+    profiles: np.ndarray,
+    identity: ModelIdentity,
+    config: FitConfig,
+    cost: StepTimeModel | None,
+) -> dict[str, Any]:
+    """The per-step gain on every request, labelled by ``crossed``; ``profiles``: the
+    requests' ``step_profiles``."""
     gain = gain_from_labels(
         crossed.labels, config.k, profiles, identity.num_layers, config.gain,
         np.random.default_rng(config.seed + 2), cost,
