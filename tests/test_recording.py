@@ -107,32 +107,29 @@ def _row(name: str, shape: tuple[int, int] = (2, 4)) -> CaptureRecord:
     return CaptureRecord(name, "traffic", "0" * 64, 8, 4, counts, counts)
 
 
-def test_the_writer_appends_in_batches_and_everything_handed_over_before_close(
+def test_the_writer_appends_what_it_is_handed_and_everything_before_close(
         tmp_path: Path) -> None:
     identity = ModelIdentity("m", 2, 4, 2)
-    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v", batch_rows=3,
-                               flush_s=30)
-    for i in range(4):
-        assert appender.put(_row(f"r{i}"))
+    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v")
+    assert appender.put([_row(f"r{i}") for i in range(3)])
     deadline = time.monotonic() + 10
     while appender.counts.appended < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert len(SignatureDataset.open(tmp_path / "t.zarr")) == 3  # one full batch, committed
-    appender.put(_row("odd", shape=(3, 4)))  # another model's counts: never written
+    assert len(SignatureDataset.open(tmp_path / "t.zarr")) == 3  # appended, committed
+    appender.put([_row("r3"), _row("odd", shape=(3, 4))])  # another model's counts: dropped
     appender.close()
     dataset = SignatureDataset.open(tmp_path / "t.zarr")
     assert dataset.read().ids.tolist() == ["r0", "r1", "r2", "r3"]
     assert appender.counts.dropped_shape == 1 and dataset.identity == identity
 
 
-def test_a_full_writer_queue_drops_and_counts(tmp_path: Path) -> None:
+def test_a_writer_too_far_behind_drops_and_counts(tmp_path: Path) -> None:
     identity = ModelIdentity("m", 2, 4, 2)
-    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v", max_queued=1,
-                               flush_s=30, batch_rows=1000)
-    results = [appender.put(_row(f"r{i}")) for i in range(50)]
+    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v", max_rows=4)
+    results = [appender.put([_row(f"r{i}"), _row(f"s{i}")]) for i in range(50)]
     appender.close()
-    assert appender.counts.dropped_full == results.count(False) > 0
-    assert len(SignatureDataset.open(tmp_path / "t.zarr")) == results.count(True)
+    assert appender.counts.dropped_full == 2 * results.count(False) > 0
+    assert len(SignatureDataset.open(tmp_path / "t.zarr")) == 2 * results.count(True)
 
 
 def sparse_signature(body: dict) -> np.ndarray:

@@ -71,6 +71,8 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             loops.append(
                 ("eldr-refit", refit_loop(state.router, state.metrics, c.refit_interval_s))
             )
+        if state.recorder is not None:
+            loops.append(("eldr-record", state.recorder.run()))
         if state.decode.published is not None:
             recorder = state.recorder
             loops.append(("eldr-batches", follow_batches(

@@ -4,8 +4,9 @@ For a sampled request (``RecordConfig.rate``) the proxy keeps what it knows when
 answers: the prompt's signature (the counts it routes on), a digest of the prompt (the prompt
 itself only with ``prompts``), when it arrived. It asks the decode worker to measure the decode
 (``batch_publisher.RECORD_KEY``); the worker publishes the request's decode counts per expert
-and its lengths when it ends, beside its batch (``FinishedRequest``), and the row is complete:
-it goes to a writer thread (``DatasetAppender``) and is appended in batches. Nothing here
+and its lengths when it ends, beside its batch (``FinishedRequest``), and the row is complete.
+Complete rows go to a writer thread (``DatasetAppender``) every ``handover_s`` (``run``) or
+``handover_rows``, whichever comes first, and each hand-over is one append. Nothing here
 waits on a disk or a worker: the request path only files a small entry.
 
 Bounded: entries whose request never comes back (a worker that died, a message the PUB socket
@@ -63,7 +64,8 @@ class _Pending:
 class TrafficRecorder:
     def __init__(self, config: RecordConfig, identity: ModelIdentity | None, model_name: str,
                  vllm_version: str, seed: int = 0, max_pending: int = 65536,
-                 forget_after_s: float = 600.0) -> None:
+                 forget_after_s: float = 600.0, handover_s: float = 2.0,
+                 handover_rows: int = 4096) -> None:
         self.config = config
         self._appender = DatasetAppender(config.path, self._identity_of, vllm_version)
         stored = self._appender.store_identity
@@ -77,6 +79,9 @@ class TrafficRecorder:
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # oldest first
         self._max_pending = max_pending
         self._forget_after_s = forget_after_s
+        self._rows: list[CaptureRecord] = []  # complete, not yet handed to the writer
+        self._handover_s = handover_s
+        self._handover_rows = handover_rows
         self.unmatched = 0  # finished requests this proxy did not record (other proxies')
         self.forgotten = 0  # recorded requests whose decode counts never came
         self.no_signature = 0  # sampled requests whose prefill sent no valid signature
@@ -129,15 +134,28 @@ class TrafficRecorder:
             return
         if self._identity is None:
             self._identity = self._infer_identity(entry, done)
-        self._appender.put(CaptureRecord(
+        self._rows.append(CaptureRecord(
             id=done.name, domain=DOMAIN, prompt_sha256=entry.digest,
             prompt_tokens=done.prompt_tokens, output_tokens=done.output_tokens,
             prefill_counts=entry.prefill.astype(np.int32), decode_counts=done.decode_counts,
             arrival_unix_s=entry.arrival_unix_s, ttft_s=entry.ttft_s,
             latency_s=time.monotonic() - entry.arrived, prompt=entry.prompt,
         ))
+        if len(self._rows) >= self._handover_rows:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._rows:
+            self._appender.put(self._rows)
+            self._rows = []
 
     # -- lifetime ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Hand complete rows to the writer every ``handover_s`` (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(self._handover_s)
+            self._hand_over()
+
     async def settle(self, timeout_s: float) -> None:
         """Wait (up to ``timeout_s``) for the counts of requests that already ended."""
         deadline = time.monotonic() + timeout_s
@@ -145,6 +163,8 @@ class TrafficRecorder:
             await asyncio.sleep(0.02)
 
     def close(self) -> None:
+        """Write every complete row (the event loop no longer runs ``finished``)."""
+        self._hand_over()
         self._appender.close()
 
     def summary(self) -> dict[str, Any]:
@@ -152,6 +172,7 @@ class TrafficRecorder:
         return {
             "path": str(self.config.path), "rate": self.config.rate,
             "appended": counts.appended, "waiting": len(self._pending),
+            "unwritten": len(self._rows),
             "dropped": {"writer_behind": counts.dropped_full, "wrong_shape": counts.dropped_shape,
                         "write_failed": counts.failed, "never_finished": self.forgotten,
                         "no_signature": self.no_signature},
