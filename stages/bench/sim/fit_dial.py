@@ -39,7 +39,7 @@ from stages.bench.sim.locality_sweep import DataMark, agreement_curve, curve_gri
 from stages.bench.sim.simulate_run import SMALL_DATASET
 from stages.bench.sim.simulator import SimConfig, simulate
 from stages.errors import EldrError
-from stages.fit.dial import DialInput
+from stages.fit.dial import DialInput, DialRunner
 from stages.fit.pipeline import FitConfig, cross_fit, fit_clustering, split_requests
 from stages.routing.cost_model import CostModel
 from stages.signature.dataset import SignatureArrays, SignatureDataset
@@ -94,13 +94,13 @@ def choose_dial_data(fit_data: Path, dial_data: Path | None) -> DialData:
            f" {fitted.identity.describe()}: gains of different models do not compare")
     if dial_data is not None:
         raise EldrError(f"--dial-data: {why}; pass a dataset of the fit's model")
-    return DialData(None, f"built on it: {why}")
+    return DialData(None, why)
 
 
 def fit_dial(
     data: DialData, settings: DialSettings = DialSettings(),
     progress: Callable[[str], None] = lambda _line: None,
-) -> Callable[[SignatureArrays, DialInput], dict[str, Any]]:
+) -> DialRunner:
     """The dial `eldr fit` runs on its dataset's arrays (``stages.fit.fit_dataset``)."""
     return partial(build_dial, data=data, settings=settings, progress=progress)
 
