@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -289,3 +292,60 @@ def test_only_recorded_requests_ask_the_decode_worker_to_measure() -> None:
     sent = [r.body["kv_transfer_params"] for r in decode.received]
     assert len(sent) == 10 and not any(RECORD_KEY in kv for kv in sent)  # none sampled
     assert not Path("/nonexistent/never-written.zarr").exists()
+
+
+def _recording_serve(servers: list[BackgroundServer], endpoints: list[str], path: Path,
+                     port: int) -> subprocess.Popen[bytes]:
+    """`eldr serve --attach-* --record` as a user starts it, in front of the fakes."""
+    argv = [sys.executable, "-m", "eldr_cli", "serve", "--policy", "jsq", "--skip-self-check",
+            "--port", str(port), "--record", "--record-to", str(path),
+            "--attach-prefill", servers[0].url]
+    for server, endpoint in zip(servers[1:], endpoints, strict=True):
+        argv += ["--attach-decode", server.url, "--attach-batch", endpoint]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _send(url: str, prompts: range) -> None:
+    for i in prompts:
+        httpx.post(f"{url}/v1/completions", json={"prompt": _prompt(i), "max_tokens": 2},
+                   timeout=30).raise_for_status()
+
+
+def test_rows_written_survive_a_kill_9_and_a_sigterm_writes_every_row(
+        recorded_workers: tuple[list[BackgroundServer], list[str]], tmp_path: Path) -> None:
+    from stages.procs.health import wait_healthy
+
+    servers, endpoints = recorded_workers
+    path, port = tmp_path / "traffic.zarr", free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _recording_serve(servers, endpoints, path, port)
+    try:
+        wait_healthy(url, 60, proc.poll, interval_s=0.1)
+        _send(url, range(30))
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/admin/state").json()["recording"]["appended"] < 30:
+            assert time.monotonic() < deadline, "30 rows were never written"
+            time.sleep(0.1)
+        _send(url, range(30, 40))  # handed over within 2 s, or not: the kill decides
+    finally:
+        proc.kill()
+        proc.wait()
+    survived = SignatureDataset.open(path).read()
+    assert 30 <= len(survived) <= 40
+    for row in range(len(survived)):
+        i = next(i for i in range(40)
+                 if hashlib.sha256(_prompt(i).encode()).hexdigest() == survived.prompt_sha256[row])
+        np.testing.assert_array_equal(survived.prefill_counts[row],
+                                      sparse_signature({"prompt": _prompt(i)}))
+
+    proc = _recording_serve(servers, endpoints, path, port)
+    try:
+        wait_healthy(url, 60, proc.poll, interval_s=0.1)
+        _send(url, range(10))
+        proc.send_signal(signal.SIGTERM)  # at once: nothing handed to the writer yet
+        assert proc.wait(timeout=60) == 130  # the CLI's "interrupted", after the drain
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(SignatureDataset.open(path)) == len(survived) + 10
