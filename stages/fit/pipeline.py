@@ -26,6 +26,7 @@ from stages.fit.cross_fit import Clustering, CrossFit, cross_fit_labels
 from stages.fit.dial import DialHook, DialInput
 from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain, gain_from_labels
 from stages.fit.kmeans import balanced_spherical_kmeans
+from stages.provenance import provenance
 from stages.signature.dataset import ModelIdentity
 from stages.signature.inclusion import inclusion_log_complement
 from stages.signature.transform import fit_transform
@@ -127,6 +128,7 @@ def fit_artifact(
         "num_requests": len(prefill),
         "num_train": len(train),
         "num_holdout": len(held),
+        **provenance(),  # what `eldr report` shows as the command and versions of the fit
     }
     version = store.save(
         centroids=km.centroids,
