@@ -47,6 +47,11 @@ class UpstreamError(Exception):
     answer was read (reset, closed early, no bytes in time, a malformed answer)."""
 
 
+class ReadTimeout(UpstreamError):
+    """The worker sent nothing for the read timeout while its answer was awaited (it took the
+    request: a delivered failure, its own class so an operator reads "Timeout" in the error)."""
+
+
 class NotDelivered(UpstreamError):
     """The request never left the proxy: no connection could be opened (refused, unreachable,
     not in time) or none came free in time. Retrying it elsewhere is always safe."""
@@ -91,7 +96,8 @@ class _Origin:
     """One worker URL: where to connect, what every request to it starts with, its idle
     connections (oldest first)."""
 
-    __slots__ = ("host", "idle", "port", "prefix", "server_hostname", "ssl", "timer", "url")
+    __slots__ = ("authority", "host", "idle", "port", "prefix", "server_hostname", "ssl", "timer",
+                 "url")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -100,6 +106,9 @@ class _Origin:
         self.url = url
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        # The Host header: an IPv6 address goes in brackets there (urlsplit drops them).
+        self.authority = f"[{self.host}]:{self.port}" if ":" in self.host else (
+            f"{self.host}:{self.port}")
         self.ssl: ssl.SSLContext | None = (
             ssl.create_default_context() if parts.scheme == "https" else None
         )
@@ -220,8 +229,7 @@ class _Connection(asyncio.Protocol):
             return
         due = self.last_rx + self.read_s
         if now + _SLACK_S >= due:
-            self._fail(UpstreamError(
-                f"no bytes from {self.origin.url} for {self.read_s:g} s"))
+            self._fail(ReadTimeout(f"no bytes from {self.origin.url} for {self.read_s:g} s"))
         else:
             self.timer = self.loop.call_at(due, self._check_silence)
 
@@ -434,7 +442,7 @@ class Http1Client:
             origin = self._origins[url] = _Origin(url)
         # Built before a slot is taken: a header that cannot be sent is the caller's bug.
         head = (
-            f"POST {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
+            f"POST {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.authority}\r\n"
             f"{self._fixed}Content-Length: {len(body)}\r\n{_header_lines(headers)}\r\n"
         ).encode("latin-1")
         conn = await self._acquire(origin, timeouts)
