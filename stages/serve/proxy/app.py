@@ -1,7 +1,7 @@
 """The ELDR PD proxy: a Starlette app that prefills, routes by expert locality, and decodes.
 
 ``create_app(config)`` builds it; ``run_proxy(config, host, port)`` serves it with uvicorn.
-All mutable state lives in one ``ProxyState`` on ``app.state.proxy``; the HTTP session and
+All mutable state lives in one ``ProxyState`` on ``app.state.proxy``; the HTTP clients and
 background loops live exactly as long as the app's lifespan.
 """
 
@@ -37,7 +37,7 @@ from stages.serve.proxy.published_batches import follow_batches
 from stages.serve.proxy.refit_task import refit_loop
 from stages.serve.proxy.responses import InternalErrorMiddleware, http_error
 from stages.serve.proxy.state import ProxyState, build_state
-from stages.serve.proxy.upstream import open_session
+from stages.serve.proxy.upstream import open_leg_client, open_session
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,9 @@ def _report_crash(task: asyncio.Task[None]) -> None:
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     state: ProxyState = app.state.proxy
     c = state.config
-    async with open_session(c) as session:
+    async with open_session(c) as session, open_leg_client(c) as leg_client:
         state._session = session
+        state._leg_client = leg_client
         loops = [
             (
                 "eldr-health",
@@ -92,6 +93,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             # Crashes were logged by _report_crash; here we only wait for the cancellations.
             await asyncio.gather(*tasks, return_exceptions=True)
             state._session = None
+            state._leg_client = None
             if state.recorder is not None:
                 await asyncio.to_thread(state.recorder.close)  # every row handed over, written
 

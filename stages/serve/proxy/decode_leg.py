@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
-import aiohttp
-
 from stages.serve.proxy.answer import Answer, Stream, Whole
 from stages.serve.proxy.decode_router import Features
+from stages.serve.proxy.http1 import Response
 from stages.serve.proxy.prefill_leg import run_prefill
 from stages.serve.proxy.request_context import RequestContext
 from stages.serve.proxy.responses import ProxyError, UpstreamClientError
@@ -128,7 +127,7 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
 async def _attempt(ctx: RequestContext, lease: Lease, payload: bytes) -> Answer | Failure:
     """The worker's answer, or why this worker failed (then nothing was sent to the client)."""
     state = ctx.state
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: Response | None = None
     events: AsyncIterator[bytes] | None = None
     handed_off = False
     # A stream's first event must come in time (a worker that took the connection and hangs
@@ -139,9 +138,8 @@ async def _attempt(ctx: RequestContext, lease: Lease, payload: bytes) -> Answer 
     try:
         try:
             async with deadline:
-                upstream = await state.session.post(
-                    lease.url + ctx.path, data=payload, headers=ctx.headers,
-                    timeout=state.decode_timeout,
+                upstream = await state.leg_client.post(
+                    lease.url, ctx.path, payload, ctx.headers, state.decode_limits
                 )
                 if upstream.status >= 500:
                     text = (await upstream.read())[:500].decode(errors="replace")
@@ -155,7 +153,7 @@ async def _attempt(ctx: RequestContext, lease: Lease, payload: bytes) -> Answer 
                 content_type = upstream.headers.get("Content-Type", "application/json")
                 if not ctx.stream:
                     return Whole(await upstream.read(), upstream.status, content_type)
-                events = whole_events(upstream.content.iter_any())
+                events = whole_events(upstream.iter_chunks())
                 first = await anext(events)
         except StopAsyncIteration:
             return Failure("stream ended before its first event", delivered=True)
@@ -181,7 +179,7 @@ async def _attempt(ctx: RequestContext, lease: Lease, payload: bytes) -> Answer 
 
 
 def _closer(
-    upstream: aiohttp.ClientResponse | None,
+    upstream: Response | None,
     events: AsyncIterator[bytes] | None,
     lease: Lease,
     relay: AsyncIterator[bytes] | None = None,

@@ -34,13 +34,15 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
         lease = pool.acquire(worker)
         status, content, content_type, failure = 0, b"", None, None
         try:
-            async with state.session.post(
-                url + ctx.path, data=legs.prefill, headers=ctx.headers,
-                timeout=state.prefill_timeout,
-            ) as resp:
+            resp = await state.leg_client.post(
+                url, ctx.path, legs.prefill, ctx.headers, state.prefill_limits
+            )
+            try:
                 status = resp.status
-                content = await resp.read()
                 content_type = resp.headers.get("Content-Type")
+                content = await resp.read()
+            finally:
+                resp.release()  # read to its end: pooled; cut short (cancelled): closed
         except NOT_DELIVERED as exc:
             failure = f"connect failed: {exc!r}"
         except UPSTREAM_ERRORS as exc:  # a timeout (it took the prompt and hangs) or a reset

@@ -12,13 +12,14 @@ from stages.routing.policies import needs_centroids
 from stages.serve.proxy.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.decode_router import DecodeRouter
+from stages.serve.proxy.http1 import Http1Client, Timeouts
 from stages.serve.proxy.metrics import ProxyMetrics, RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.proxy.prefill_router import PrefillRouter
 from stages.serve.proxy.published_batches import PublishedBatches
 from stages.serve.proxy.recording import TrafficRecorder
 from stages.serve.proxy.rejoin import SelfChecks
-from stages.serve.proxy.upstream import leg_timeout
+from stages.serve.proxy.upstream import leg_limits, leg_timeout
 from stages.serve.proxy.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,14 @@ class ProxyState:
     # Self-checks of workers (re)joining rotation; None when the proxy does not know the model.
     checks: SelfChecks | None = None
     recorder: TrafficRecorder | None = None  # `eldr serve --record`
-    # Built once from the config: the per-request path only passes them along.
-    prefill_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
-    decode_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
+    # Built once from the config: the per-request path only passes them along. The legs'
+    # limits are for ``leg_client``; the others for ``session``.
+    prefill_limits: Timeouts = field(init=False, repr=False)
+    decode_limits: Timeouts = field(init=False, repr=False)
+    prefill_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)  # /v1/models
     health_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
     _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+    _leg_client: Http1Client | None = field(default=None, repr=False)
     # Set once the proxy is stopping: new requests and /health answer 503 while the requests
     # in flight finish (stages.serve.proxy.app.DrainingServer).
     draining: bool = False
@@ -57,8 +61,9 @@ class ProxyState:
 
     def __post_init__(self) -> None:
         c = self.config
+        self.prefill_limits = leg_limits(c.prefill_timeout_s, c.connect_timeout_s)
+        self.decode_limits = leg_limits(c.decode_timeout_s, c.connect_timeout_s)
         self.prefill_timeout = leg_timeout(c.prefill_timeout_s, c.connect_timeout_s)
-        self.decode_timeout = leg_timeout(c.decode_timeout_s, c.connect_timeout_s)
         self.health_timeout = leg_timeout(c.health_timeout_s, c.health_timeout_s)
 
     @property
@@ -66,6 +71,13 @@ class ProxyState:
         if self._session is None:
             raise RuntimeError("the proxy's HTTP session exists only while the app is running")
         return self._session
+
+    @property
+    def leg_client(self) -> Http1Client:
+        """The client of the prefill and decode legs (upstream.open_leg_client)."""
+        if self._leg_client is None:
+            raise RuntimeError("the proxy's leg client exists only while the app is running")
+        return self._leg_client
 
 
 def build_state(
