@@ -529,7 +529,10 @@ class Http1Client:
         fresh_after = self._loop.time() - self._keepalive_s
         while idle:
             conn = idle.pop()  # the most recently used: the furthest from its expiry
-            if conn.closed:
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                # The worker closed it while idle (its connection_lost may not have run yet):
+                # another connection, not a failed request, and no mark against the worker.
+                conn.close()
                 continue
             if conn.idle_since <= fresh_after:
                 # The newest one expired, so did every older one.
