@@ -493,6 +493,26 @@ def test_a_worker_that_closes_mid_body_fails_as_delivered() -> None:
     run(main())
 
 
+def test_a_connection_the_worker_closed_while_idle_is_replaced_not_failed() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     server: Server) -> None:
+        await server.read_request(reader)
+        writer.write(answer(b"ok"))
+        await writer.drain()
+        # The worker's keep-alive ends: it closes the idle connection (writer.close in Server).
+
+    async def main() -> None:
+        async with Server(handle) as server, Http1Client(4, 4.0) as client:
+            for _ in range(2):
+                resp = await client.post(server.url, "/x", b"{}", {}, FAST)
+                assert await resp.read() == b"ok"
+                await asyncio.sleep(0.05)  # the worker's close arrives while it is idle
+            assert server.connections == 2 and len(server.requests) == 2
+            assert client.in_use == 0
+
+    run(main())
+
+
 def test_a_failure_on_a_reused_connection_is_reported_not_resent() -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      server: Server) -> None:
