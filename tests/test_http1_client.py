@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import math
 import socket
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
@@ -370,8 +371,6 @@ def test_an_expired_connection_is_never_used_even_before_its_timer_ran() -> None
             resp = await client.post(server.url, "/x", b"{}", {}, FAST)
             await resp.read()
             # Blocks the loop past the keep-alive: the expiry timer has had no chance to run.
-            import time
-
             time.sleep(0.1)
             resp = await client.post(server.url, "/x", b"{}", {}, FAST)
             await resp.read()

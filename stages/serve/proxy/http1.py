@@ -88,9 +88,6 @@ class Headers:
                 return value.decode("latin-1")
         return default
 
-    def items(self) -> list[tuple[str, str]]:
-        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._raw]
-
 
 class _Origin:
     """One worker URL: where to connect, what every request to it starts with, its idle
@@ -261,9 +258,6 @@ class _Connection(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
         self._wake()
-
-    def eof_received(self) -> bool | None:
-        return None  # the transport closes itself; connection_lost decides what it meant
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
