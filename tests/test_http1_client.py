@@ -505,7 +505,9 @@ def test_a_connection_the_worker_closed_while_idle_is_replaced_not_failed() -> N
             for _ in range(2):
                 resp = await client.post(server.url, "/x", b"{}", {}, FAST)
                 assert await resp.read() == b"ok"
-                await asyncio.sleep(0.05)  # the worker's close arrives while it is idle
+                async with asyncio.timeout(5):  # the worker's close arrives while it is idle
+                    while client.idle(server.url):
+                        await asyncio.sleep(0.01)
             assert server.connections == 2 and len(server.requests) == 2
             assert client.in_use == 0
 
