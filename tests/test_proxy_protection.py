@@ -12,6 +12,8 @@ import pytest
 
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
+from stages.serve.proxy.admission import Overloaded, admit
+from stages.serve.proxy.state import build_state
 from stages.serve.proxy.workers import Ejection, WorkerPool
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 from tests.test_proxy import fast_config
@@ -120,19 +122,44 @@ def test_a_worker_that_fails_every_request_is_ejected_while_the_others_serve() -
             w.stop()
 
 
+def test_requests_let_in_count_before_they_lease_a_worker() -> None:
+    """The check-then-lease race: leases are taken only after the body is read, so requests
+    let in but not yet leased must count, or a burst all passes the check at once."""
+    state = build_state(fast_config(["http://p0"], ["http://d0", "http://d1"], policy="jsq",
+                                    decode_slots=1, max_queued=1))
+    tickets = [admit(state) for _ in range(3)]  # 2 slots + 1 queued, none leased yet
+    with pytest.raises(Overloaded, match="3 requests in flight, at most 3"):
+        admit(state)
+    lease = state.prefill.acquire(0)
+    tickets[0].settle()  # the first request now counts through its lease
+    tickets[0].settle()  # idempotent: the handler settles again when it ends
+    with pytest.raises(Overloaded):
+        admit(state)
+    lease.release()  # its prefill is over (and it left without decoding)
+    tickets[1].settle()  # a request that failed before any lease
+    assert state.cluster_load() == 1
+    admit(state)
+
+
 def test_a_burst_past_the_queue_bound_is_shed_with_retry_after() -> None:
     """2 decode workers x 1 slot + 1 queued: three slow streams in flight at once, the rest
     of a burst of eight get vLLM-shaped 503s with Retry-After, and a request after the burst
     is served."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    behaviors = [FakeBehavior("p0"), FakeBehavior("d0", token_delay_s=0.3),
-                 FakeBehavior("d1", token_delay_s=0.3)]
+    # Each served stream lasts about 1.6 s and the eight senders start together, so the whole
+    # burst arrives while the first three are still in flight, even on a loaded CI box.
+    behaviors = [FakeBehavior("p0"), FakeBehavior("d0", token_delay_s=0.4),
+                 FakeBehavior("d1", token_delay_s=0.4)]
     workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
     config = fast_config([workers[0].url], [w.url for w in workers[1:]], policy="jsq",
                          decode_slots=1, max_queued=1)
+    start_together = threading.Barrier(8)
 
     def send(client: httpx.Client, i: int) -> httpx.Response:
+        if i < 8:
+            start_together.wait()
         return client.post("/v1/completions",
                            json={"prompt": f"b{i}", "max_tokens": 4, "stream": True})
 

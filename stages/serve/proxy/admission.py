@@ -33,14 +33,35 @@ class Draining(Shed):
                          " once it is back", "draining")
 
 
-def admit(state: ProxyState) -> None:
-    """Raise ``Overloaded`` when a new request would exceed the admission limit, ``Draining``
-    once the proxy is stopping."""
+class Admission:
+    """A request let in that holds no worker lease yet.
+
+    It counts in ``ProxyState.cluster_load`` from the check until its first lease is taken (or
+    it ends without one). Leases are taken only after the body is read, so without it a burst
+    arriving together would all pass the check before any of them counted.
+    """
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: ProxyState) -> None:
+        self._state: ProxyState | None = state
+        state.admitting += 1
+
+    def settle(self) -> None:
+        """The request now counts through its lease, or is over; idempotent."""
+        if self._state is not None:
+            self._state.admitting -= 1
+            self._state = None
+
+
+def admit(state: ProxyState) -> Admission:
+    """Let a request in, or raise ``Overloaded`` when it would exceed the admission limit,
+    ``Draining`` once the proxy is stopping."""
     if state.draining:
         raise Draining()
     limit = state.config.admission_limit
-    if limit is None:
-        return
-    in_flight = state.cluster_load()
-    if in_flight >= limit:
-        raise Overloaded(in_flight, limit)
+    if limit is not None:
+        in_flight = state.cluster_load()
+        if in_flight >= limit:
+            raise Overloaded(in_flight, limit)
+    return Admission(state)

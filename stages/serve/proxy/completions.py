@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from stages.serve.proxy.admission import RETRY_AFTER_S, Shed, admit
+from stages.serve.proxy.admission import RETRY_AFTER_S, Admission, Shed, admit
 from stages.serve.proxy.answer import Answer, to_response
 from stages.serve.proxy.batch import serve_batch
 from stages.serve.proxy.batch_split import split
@@ -47,13 +47,14 @@ async def _handle(request: Request, chat: bool) -> Response:
     metrics = state.metrics
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     reply_headers = {"X-Request-Id": request_id}
+    admission: Admission | None = None
     try:
-        admit(state)  # before reading the body: shedding must cost next to nothing
+        admission = admit(state)  # before reading the body: shedding must cost next to nothing
         read = await read_body(request, state.config.max_body_bytes)
         fields = check_request_body(read.body, chat)
         if state.config.model is not None:
             read.body.setdefault("model", state.config.model)
-        work = _plan(request, request_id, read, chat, fields)
+        work = _plan(request, request_id, read, chat, fields, admission)
         answer = await unless_client_leaves(request.receive, work)
         if answer is None:
             metrics.request_errors.labels("client_disconnect").inc()
@@ -74,20 +75,26 @@ async def _handle(request: Request, chat: bool) -> Response:
         # Gone while sending its body: nobody reads an answer, but the count shows it.
         metrics.request_errors.labels("client_disconnect").inc()
         return Response(status_code=499, headers=reply_headers)
+    finally:
+        if admission is not None:  # ended before leasing a worker (refused, failed, gone)
+            admission.settle()
 
 
 def _plan(
-    request: Request, request_id: str, read: JsonBody, chat: bool, fields: RequestFields
+    request: Request, request_id: str, read: JsonBody, chat: bool, fields: RequestFields,
+    admission: Admission,
 ) -> Callable[[], Awaitable[Answer]]:
     state: ProxyState = request.app.state.proxy
     config = state.config
     # The bytes a split may repeat upstream: a few bodies' worth.
     parts = split(read.body, chat, fields, config.max_fanout, 4 * config.max_body_bytes)
     if parts is None:
-        ctx = request_context(request, request_id, read.body, chat, read.lax)
+        ctx = request_context(request, request_id, read.body, chat, read.lax, admission)
         return lambda: serve_one(ctx)
     subs = [
-        request_context(request, f"{request_id}-{k}", part.body, chat, read.lax, request_id)
+        request_context(
+            request, f"{request_id}-{k}", part.body, chat, read.lax, admission, request_id
+        )
         for k, part in enumerate(parts)
     ]
     return lambda: serve_batch(subs, parts, request_id)

@@ -32,6 +32,7 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
         worker = state.prefill_router.choose(legs.key, pool.loads(), eligible)
         url = pool.urls[worker]
         lease = pool.acquire(worker)
+        ctx.admission.settle()
         status, content, content_type, failure = 0, b"", None, None
         try:
             resp = await state.leg_client.post(

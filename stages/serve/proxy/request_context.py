@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from stages.serve.proxy.admission import Admission
 from stages.serve.proxy.payloads import Legs, plan_legs
 from stages.serve.proxy.state import ProxyState
 
@@ -34,6 +35,8 @@ class RequestContext:
     headers: Mapping[str, str]  # for the workers
     reply_headers: Mapping[str, str]  # for the client: the client request's own id
     arrived: float  # time.monotonic() when the client request came in
+    # Settled once the first leg leases a worker, from then on the lease counts the request.
+    admission: Admission
 
     @property
     def stream(self) -> bool:
@@ -56,6 +59,7 @@ def request_context(
     body: dict[str, Any],
     chat: bool,
     lax_json: bool,
+    admission: Admission,
     client_request_id: str | None = None,
 ) -> RequestContext:
     """The context of a request whose ``body`` was read and checked.
@@ -84,4 +88,5 @@ def request_context(
         headers=MappingProxyType(headers),
         reply_headers=MappingProxyType({"X-Request-Id": client_request_id or request_id}),
         arrived=time.monotonic(),
+        admission=admission,
     )

@@ -49,6 +49,8 @@ class ProxyState:
     # Set once the proxy is stopping: new requests and /health answer 503 while the requests
     # in flight finish (stages.serve.proxy.app.DrainingServer).
     draining: bool = False
+    # Requests let in that hold no worker lease yet (admission.Admission).
+    admitting: int = 0
 
     def in_flight(self) -> int:
         """This proxy's requests on a worker now, prefilling or decoding."""
@@ -56,8 +58,9 @@ class ProxyState:
 
     def cluster_load(self) -> int:
         """Requests on a worker now: this proxy's, and the other proxies' that the decode
-        workers publish (admission bounds the cluster's queue, not one proxy's share)."""
-        return int(self.decode.loads().sum() + self.prefill.own_loads().sum())
+        workers publish (admission bounds the cluster's queue, not one proxy's share), plus
+        this proxy's requests let in that hold no lease yet (admission.Admission)."""
+        return int(self.decode.loads().sum() + self.prefill.own_loads().sum()) + self.admitting
 
     def __post_init__(self) -> None:
         c = self.config
