@@ -36,6 +36,7 @@ from tests.fakes.worker import (
     create_fake_worker,
     domain_signature,
 )
+from tests.proc_probe import command, tree, wait_gone
 from tests.test_proxy import fast_config
 
 
@@ -133,6 +134,34 @@ def test_a_writer_too_far_behind_drops_and_counts(tmp_path: Path) -> None:
     appender.close()
     assert appender.counts.dropped_full == 2 * results.count(False) > 0
     assert len(SignatureDataset.open(tmp_path / "t.zarr")) == 2 * results.count(True)
+
+
+def test_a_writer_process_that_dies_is_replaced_and_its_loss_counted(tmp_path: Path) -> None:
+    import multiprocessing
+    import os
+    import signal
+
+    identity = ModelIdentity("m", 2, 4, 2)
+    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v")
+    assert appender.put([_row("r0")])
+    deadline = time.monotonic() + 20
+    while appender.counts.appended < 1:
+        assert time.monotonic() < deadline, "the first row was never written"
+        time.sleep(0.02)
+    [writer] = multiprocessing.active_children()
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join(10)
+    batches = 0
+    while appender.counts.appended < 2:  # a batch the dead writer took may be lost, counted
+        assert time.monotonic() < deadline, appender.counts
+        batches += 1
+        appender.put([_row(f"s{batches}")])
+        time.sleep(0.2)
+    appender.close()
+    counts = appender.counts
+    assert counts.appended + counts.failed == 1 + batches
+    assert all("terminated abruptly" in e for e in counts.errors)
+    assert len(SignatureDataset.open(tmp_path / "t.zarr")) == counts.appended
 
 
 def sparse_signature(body: dict) -> np.ndarray:
@@ -327,9 +356,13 @@ def test_rows_written_survive_a_kill_9_and_a_sigterm_writes_every_row(
             assert time.monotonic() < deadline, "30 rows were never written"
             time.sleep(0.1)
         _send(url, range(30, 40))  # handed over within 2 s, or not: the kill decides
+        children = tree(proc.pid)  # the writer process among them
+        assert children
     finally:
         proc.kill()
         proc.wait()
+    left = wait_gone(children, timeout_s=15)
+    assert not left, f"left behind by a kill -9: {[command(pid) for pid in left]}"
     survived = SignatureDataset.open(path).read()
     assert 30 <= len(survived) <= 40
     for row in range(len(survived)):

@@ -1,13 +1,18 @@
-"""Rows appended to a signature dataset from a thread of its own, in batches.
+"""Rows appended to a signature dataset by a process of its own, in batches.
 
 A live process (the routing proxy recording its traffic) must never wait on zarr: rows are
 handed over in batches with ``put`` (never blocks; past ``max_rows`` waiting the batch is
-dropped and counted) and a thread appends everything waiting in one go. The caller batches:
-waking the thread for each row costs a live process more than the append (a GIL hand-off
-per row), and an append's cost is mostly fixed (about 45 ms of CPU for 256 rows, 80 ms for
-4,096). Each append commits (``SignatureDataset.append`` bumps the commit pointer last), so a
-kill -9 loses at most the rows not yet appended; ``close`` appends everything handed over
-before it returns.
+dropped and counted) and a writer process appends each batch, in order, as one append. A
+process, not a thread: an append is about 45-80 ms of zarr work that holds the GIL in pieces
+(its own event loop, a thread pool, codecs). In a thread it raised the proxy's p99 at
+concurrency 1 from 1.6-1.7 ms to 2.7-3.0 ms; from a process, to 2.1-2.2 ms (``examples.
+bench_proxy``, ``eldr-union-pub`` against ``eldr-union-rec``). The proxy pays for pickling the
+batch (about 7 us a row).
+
+Each append commits (``SignatureDataset.append`` bumps the commit pointer last), so a kill -9
+of the live process loses at most the rows not yet handed over (the writer watches its parent
+and exits once the append under way ends); ``close`` appends everything handed over before it
+returns.
 
 The dataset is created with the first row's model identity unless it exists; a row of another
 shape than the store's is dropped and counted, never written.
@@ -16,16 +21,22 @@ shape than the store's is dropped and counted, never written.
 from __future__ import annotations
 
 import logging
-import queue
+import multiprocessing
+import multiprocessing.connection
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from stages.errors import EldrError
 from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class AppenderCounts:
@@ -34,6 +45,65 @@ class AppenderCounts:
     dropped_shape: int = 0  # counts of another shape than the store's
     failed: int = 0  # rows lost to a failed write (the error is logged)
     errors: list[str] = field(default_factory=list)  # the first few, for /admin/state
+
+
+@dataclass(frozen=True)
+class _Appended:
+    """What one append did, sent back from the writer process."""
+
+    appended: int
+    dropped_shape: int
+    error: str | None = None
+
+
+# Held by the writer process while it appends, so a writer whose parent died ends the append
+# under way (it commits) before it exits.
+_APPENDING = threading.Lock()
+
+
+def _exit_with_parent() -> None:
+    """The writer's initializer: a thread that ends the writer once its parent is gone. A pool
+    worker blocked on its call queue never sees a killed parent's pipe close (it holds both
+    ends), so without it a kill -9 of the proxy would leave the writer behind."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        with _APPENDING:
+            os._exit(0)
+
+    threading.Thread(target=watch, name="eldr-writer-parent-watch", daemon=True).start()
+
+
+def _append(path: Path, identity: ModelIdentity, vllm_version: str,
+            rows: list[CaptureRecord]) -> _Appended:
+    """One append, in the writer process. The store is opened each time (a few ms against an
+    append's tens): the writer keeps no state between batches."""
+    with _APPENDING:
+        return _append_now(path, identity, vllm_version, rows)
+
+
+def _append_now(path: Path, identity: ModelIdentity, vllm_version: str,
+                rows: list[CaptureRecord]) -> _Appended:
+    try:
+        dataset = SignatureDataset.create_or_open(path, identity, vllm_version)
+        shape = dataset.identity.shape
+        good = [r for r in rows
+                if r.prefill_counts.shape == shape and r.decode_counts.shape == shape]
+        dataset.append(good)
+        return _Appended(len(good), len(rows) - len(good))
+    except (EldrError, OSError, ValueError) as exc:
+        # The writer lives on: a full disk may clear, and the proxy keeps serving.
+        return _Appended(0, 0, str(exc))
+
+
+def _start_writer() -> ProcessPoolExecutor:
+    # spawn: the live process has threads (event loop, ZMQ), which fork would copy half-way.
+    # One worker keeps the appends in the order they were handed over.
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_exit_with_parent)
 
 
 class DatasetAppender:
@@ -46,68 +116,58 @@ class DatasetAppender:
         self._vllm_version = vllm_version
         self._max_rows = max_rows
         self._waiting = 0  # rows handed over, not yet appended
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[list[CaptureRecord] | None] = queue.Queue()
-        self._dataset: SignatureDataset | None = None
+        self._lock = threading.Lock()  # the counts change in the executor's thread
+        self._store_identity: ModelIdentity | None = None
         if self.path.exists():  # opened now: a store that is not a dataset fails the start
-            self._dataset = SignatureDataset.open(self.path, writable=True)
-        self._thread = threading.Thread(target=self._run, name="eldr-record-writer",
-                                        daemon=True)
-        self._thread.start()
+            self._store_identity = SignatureDataset.open(self.path, writable=True).identity
+        self._writer = _start_writer()
 
     @property
     def store_identity(self) -> ModelIdentity | None:
-        return None if self._dataset is None else self._dataset.identity
+        return self._store_identity
 
     def put(self, rows: list[CaptureRecord]) -> bool:
         """Hand rows over; False if they were dropped (the writer is ``max_rows`` behind)."""
+        if not rows:
+            return True
         with self._lock:
             if self._waiting + len(rows) > self._max_rows:
                 self.counts.dropped_full += len(rows)
                 return False
             self._waiting += len(rows)
-        self._queue.put(rows)
+        if self._store_identity is None:
+            self._store_identity = self._identity(rows[0])
+        try:
+            future = self._writer.submit(_append, self.path, self._store_identity,
+                                         self._vllm_version, rows)
+        except BrokenProcessPool as exc:  # the writer died (killed, out of memory): a new one
+            log.error("recording: the writer process died (%s); starting another", exc)
+            self._writer = _start_writer()
+            future = self._writer.submit(_append, self.path, self._store_identity,
+                                         self._vllm_version, rows)
+        future.add_done_callback(partial(self._appended, rows=len(rows)))
         return True
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Append every row handed over, then stop the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        """Append every row handed over, then stop the writer."""
+        done = threading.Thread(target=self._writer.shutdown, daemon=True)
+        done.start()
+        done.join(timeout_s)
+        if done.is_alive():
             log.error("recording: the writer did not finish within %g s; rows may be lost",
                       timeout_s)
 
-    def _run(self) -> None:
-        closing = False
-        while not closing:
-            rows: list[CaptureRecord] = []
-            batch = self._queue.get()
-            while batch is not None:  # everything waiting goes in one append
-                rows.extend(batch)
-                try:
-                    batch = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            closing = batch is None
-            if rows:
-                self._append(rows)
-                with self._lock:
-                    self._waiting -= len(rows)
-
-    def _append(self, rows: list[CaptureRecord]) -> None:
-        try:
-            if self._dataset is None:
-                self._dataset = SignatureDataset.create_or_open(
-                    self.path, self._identity(rows[0]), self._vllm_version)
-            shape = self._dataset.identity.shape
-            good = [r for r in rows if r.prefill_counts.shape == shape
-                    and r.decode_counts.shape == shape]
-            self.counts.dropped_shape += len(rows) - len(good)
-            self._dataset.append(good)
-            self.counts.appended += len(good)
-        except (EldrError, OSError, ValueError) as exc:
-            # The thread lives on: a full disk may clear, and the proxy keeps serving.
-            self.counts.failed += len(rows)
-            if len(self.counts.errors) < 5:
-                self.counts.errors.append(str(exc))
-            log.error("recording: %d rows not written to %s: %s", len(rows), self.path, exc)
+    def _appended(self, done: Future[_Appended], rows: int) -> None:
+        exc = done.exception()
+        outcome = _Appended(0, 0, repr(exc)) if exc is not None else done.result()
+        with self._lock:
+            self._waiting -= rows
+            self.counts.appended += outcome.appended
+            self.counts.dropped_shape += outcome.dropped_shape
+            if outcome.error is not None:
+                self.counts.failed += rows
+                if len(self.counts.errors) < 5:
+                    self.counts.errors.append(outcome.error)
+        if outcome.error is not None:
+            log.error("recording: %d rows not written to %s: %s", rows, self.path,
+                      outcome.error)

@@ -21,6 +21,7 @@ import numpy as np
 import orjson
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -180,6 +181,12 @@ def _publish_finished(behavior: FakeBehavior, body: dict[str, Any], tokens: int)
     behavior.publisher.finished(FinishedRequest(request_name("", kv), 8, tokens, counts))
 
 
+def _finish(behavior: FakeBehavior, body: dict[str, Any], tokens: int, held: str) -> None:
+    _publish_finished(behavior, body, tokens)
+    if behavior.publisher is not None:
+        behavior.publisher.remove(held)
+
+
 def create_fake_worker(behavior: FakeBehavior) -> Starlette:
     async def completion(request: Request) -> Response:
         chat = request.url.path.endswith("/chat/completions")
@@ -203,13 +210,19 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
             data["kv_transfer_params"] = _kv_transfer_params(behavior, body)
             return Response(orjson.dumps(data), media_type="application/json", headers=headers)
         n = int(body.get("max_tokens") or behavior.tokens)
+        held = request.headers.get("x-request-id", "") + f"-{id(body)}"
         if not body.get("stream"):
+            # Held while it is answered, as a decode worker holds it while it decodes, so a
+            # publishing fake sends a message per request whether or not it is recorded.
+            if behavior.publisher is not None:
+                behavior.publisher.add(held, request_name(held, body.get("kv_transfer_params")))
             data = _completion(behavior, body, chat, n)
-            _publish_finished(behavior, body, n)
-            return Response(orjson.dumps(data), media_type="application/json", headers=headers)
+            # After the answer is sent: vLLM's connector reports a finished request from the
+            # engine core, beside the API server's answer, not before it.
+            return Response(orjson.dumps(data), media_type="application/json", headers=headers,
+                            background=BackgroundTask(_finish, behavior, body, n, held))
 
         async def events() -> AsyncIterator[bytes]:
-            held = request.headers.get("x-request-id", "") + f"-{id(body)}"
             if behavior.publisher is not None:
                 behavior.publisher.add(held, request_name(held, body.get("kv_transfer_params")))
             try:
