@@ -369,3 +369,28 @@ def test_sampled_layers_stand_for_all_when_layers_route_alike() -> None:
         dispatch(p, 1, B, "b", [1, 0])
     np.testing.assert_allclose(added(one, A, [1, 1]), added(full, A, [1, 1]), rtol=1e-5)
     assert one._load is not None and one._load.size == EXPERTS
+
+
+def test_a_peers_requests_are_weighed_by_their_experts_until_they_leave() -> None:
+    router = DecodeRouter(2, "eldr-union", None, model_top_k=TOP_K)
+    loads, healthy = np.array([1, 1], np.int64), np.ones(2, bool)
+
+    def probe() -> set[int]:
+        """Where a request with A's experts would go (the policy's pick, not dispatched)."""
+        return {router.policy.choose(req(loads, A)) for _ in range(20)}
+
+    assert probe() == {0, 1}  # two workers with one request each: nothing to tell them apart
+    router.peer_joined(0, "other-a", wire.encode(A))  # another proxy's: A's experts on 0
+    router.peer_joined(1, "other-b", wire.encode(B))
+    router.peer_joined(1, "other-bad", {wire.SIGNATURE_KEY: "not base64"})  # load only
+    assert router.peers_weighed == 2
+    assert probe() == {0}
+    router.set_policy("jsq")
+    router.set_policy("eldr-union")  # a policy built later hears of them too
+    assert probe() == {0}
+    router.peer_left(0, "other-a")
+    router.peer_left(1, "other-b")
+    router.peer_left(1, "never-joined")
+    assert router.peers_weighed == 0 and probe() == {0, 1}
+    decision = router.choose(router.features(wire.encode(A)), loads, healthy)
+    decision.on_complete(decision.worker)  # its own requests still come and go as before

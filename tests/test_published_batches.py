@@ -5,16 +5,18 @@ in front of the same fake decode workers that each see the other's streams."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 import zmq
 
 from stages.capture.batch_publisher import REQUEST_TAG, BatchMessage, BatchPublisher, request_name
 from stages.serve.proxy import create_app
 from stages.serve.proxy.published_batches import PublishedBatches
+from stages.signature import wire
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 from tests.test_proxy import fast_config
@@ -106,6 +108,56 @@ def test_only_the_other_proxies_requests_are_added() -> None:
     assert batches.age_s(1) is None
 
 
+def test_a_signature_goes_out_once_with_the_first_message_that_lists_its_request() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher = BatchPublisher(endpoint, min_interval_s=0.001, heartbeat_s=0.05)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    signature = wire.encode(np.eye(2, 4, dtype=np.int32))
+    try:
+        time.sleep(0.2)  # subscribed before the request arrives, as a running proxy is
+        publisher.add("vllm-1", "p0-a", signature)
+        publisher.add("vllm-1", "p0-a", signature)  # the scheduler looks again: no resend
+        first = _receive_until(sub, frozenset({"p0-a"}))
+        assert first.signatures == {"p0-a": signature}
+        beat = _receive_until(sub, frozenset({"p0-a"}))
+        assert beat.seq > first.seq and beat.signatures == {}
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, str]] = []
+
+    def peer_joined(self, worker: int, name: str, signature: dict) -> None:
+        self.events.append(("joined", worker, name))
+
+    def peer_left(self, worker: int, name: str) -> None:
+        self.events.append(("left", worker, name))
+
+
+def test_the_listener_hears_the_others_requests_that_came_with_signatures() -> None:
+    clock, listener, sig = Clock(), Listener(), {"eldr_signature": "AAAA"}
+    batches = PublishedBatches(2, stale_after_s=2.0, forget_after_s=30.0, clock=clock)
+    batches.listener = listener
+    batches.sent("mine-1")
+    batches.heard(0, frozenset({"mine-1", "theirs-1", "theirs-2"}),
+                  {"mine-1": sig, "theirs-1": sig})  # theirs-2's signature was lost
+    assert listener.events == [("joined", 0, "theirs-1")]
+    assert batches.others.tolist() == [2, 0] and batches.weighed[0] == {"theirs-1"}
+    batches.heard(0, frozenset({"mine-1", "theirs-1", "theirs-2"}))
+    batches.heard(1, frozenset({"theirs-3"}), {"theirs-3": sig, "gone-already": sig})
+    batches.heard(0, frozenset({"theirs-2"}))
+    assert listener.events[1:] == [("joined", 1, "theirs-3"), ("left", 0, "theirs-1")]
+    clock.now += 2.5
+    batches.silent(1)  # a worker gone quiet: its others are forgotten, experts and all
+    assert listener.events[3:] == [("left", 1, "theirs-3")]
+    assert batches.weighed == [set(), set()]
+
+
 @pytest.fixture
 def published_workers() -> Iterator[tuple[list[BackgroundServer], list[str]]]:
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
@@ -161,6 +213,45 @@ def test_two_proxies_each_see_the_others_streams_and_route_around_them(
         age_of_1 = 'eldr_router_decode_published_age_seconds{worker="decode-1"}'
         age = next(line for line in metrics.splitlines() if line.startswith(age_of_1))
         assert 0 <= float(age.rsplit(" ", 1)[1]) < 2  # the heartbeat keeps it fresh
+
+
+def test_a_proxy_weighs_the_experts_of_the_others_streams_where_they_run(
+        published_workers: tuple[list[BackgroundServer], list[str]]) -> None:
+    servers, endpoints = published_workers
+    config = fast_config([servers[0].url], [s.url for s in servers[1:]], policy="eldr-union",
+                         model_top_k=2, decode_batch_endpoints=tuple(endpoints))
+    with BackgroundServer(create_app(config)) as a, BackgroundServer(create_app(config)) as b, \
+            httpx.Client(base_url=a.url, timeout=30) as via_a, \
+            httpx.Client(base_url=b.url, timeout=30) as via_b, ThreadPoolExecutor(4) as pool:
+
+        def stream(client: httpx.Client, domain: int) -> Future[httpx.Response]:
+            return pool.submit(client.post, "/v1/completions", json={
+                "prompt": f"domain={domain}", "max_tokens": 24, "stream": True})
+
+        def wait_for(check: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 10
+            while not check():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.02)
+
+        def in_flight(client: httpx.Client) -> list[int]:
+            return [w["in_flight"] for w in _decode_views(client)]
+
+        streams = [stream(via_a, 3)]
+        wait_for(lambda: sum(in_flight(via_a)) == 1, "a's first stream never started")
+        home_of_3 = in_flight(via_a).index(1)
+        streams.append(stream(via_a, 7))  # spread: the other worker is idle
+        wait_for(lambda: in_flight(via_a) == [1, 1], "a's second stream went elsewhere")
+        wait_for(lambda: [w["others_weighed"] for w in _decode_views(via_b)] == [1, 1],
+                 "b never weighed a's streams")
+        # To b each worker holds one request; only their experts tell b where a 3 belongs.
+        streams.append(stream(via_b, 3))
+        wait_for(lambda: sum(in_flight(via_b)) == 1, "b's stream never started")
+        assert in_flight(via_b)[home_of_3] == 1
+        for f in streams:
+            assert f.result().content.endswith(b"data: [DONE]\n\n")
+        wait_for(lambda: [w["others_weighed"] for w in _decode_views(via_b)] == [0, 0],
+                 "b still weighs streams that ended")
 
 
 def test_attached_workers_name_their_batch_endpoints_one_each() -> None:

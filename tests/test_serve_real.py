@@ -373,9 +373,12 @@ def _vllm_load(decode_url: str) -> int:
                                          "vllm:num_requests_waiting{"))))
 
 
-def _routing_view(control_url: str) -> list[int]:
+def _routing_view(control_url: str) -> tuple[list[int], int]:
+    """Per decode worker, the requests a proxy routes around; and how many of the others'
+    it counts without weighing their experts (their signatures did not reach it)."""
     workers = httpx.get(f"{control_url}/admin/state", timeout=10).json()["decode_workers"]
-    return [w["in_flight"] + w["others_in_flight"] for w in workers]
+    return ([w["in_flight"] + w["others_in_flight"] for w in workers],
+            sum(w["others_in_flight"] - w["others_weighed"] for w in workers))
 
 
 def _proxy_addresses(url: str) -> list[str]:
@@ -396,7 +399,8 @@ def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_w
     """A second `eldr serve --attach-* --attach-batch --proxy-workers 2` in front of the same
     workers: with streams from both running, each of the three proxies sees on each decode
     worker what vLLM holds, within one request (its own requests, and the others' as the
-    workers publish them), and answers as a single proxy does."""
+    workers publish them), weighs the experts of every one of the others' requests (their
+    signatures came with the workers' batches), and answers as a single proxy does."""
     state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
     endpoints = [w["batch_endpoint"] for w in state["decode_workers"]]
     assert all(e and e.startswith("tcp://127.0.0.1:") for e in endpoints), endpoints
@@ -413,15 +417,17 @@ def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_w
         # vLLM's own gauges (updated once a step) lag what it holds.
         body = {"model": "tiny", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
         samples: list[tuple[list[int], list[list[int]]]] = []
+        unweighed: list[list[int]] = []
         with ThreadPoolExecutor(6) as pool:
             streams = [pool.submit(httpx.post, f"{url}/v1/completions",
                                    json={**body, "prompt": PROMPTS[i % 3]}, timeout=300)
                        for i, url in enumerate([deployment.proxy_url, group.url] * 3)]
             while not all(f.done() for f in streams):
                 truth = [_vllm_load(url) for url in deployment.decode_urls]
-                views = [_routing_view(url) for url in proxies]
+                views, missing = zip(*(_routing_view(url) for url in proxies), strict=True)
                 if sum(truth) >= 2:
-                    samples.append((truth, views))
+                    samples.append((truth, list(views)))
+                    unweighed.append(list(missing))
                 time.sleep(0.2)
             assert all(f.result().status_code == 200 for f in streams)
         close = [max(abs(v - t) for view in views for v, t in zip(view, truth, strict=True)) <= 1
@@ -433,10 +439,12 @@ def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_w
                   if samples[i - 1][0] == samples[i][0] == samples[i + 1][0]]
         assert len(steady) >= 5 and all(close[i] for i in steady), samples
         assert sum(close) >= 0.7 * len(samples), samples
+        assert all(sum(unweighed[i]) == 0 for i in steady), unweighed
         assert [_complete(group.url, p) for p in PROMPTS] == [
             deployment.reference[p] for p in PROMPTS]
         print(f"\n{sum(close)} of {len(samples)} samples ({len(steady)} steady, all of them):"
-              f" every proxy within one request of vLLM on every decode worker: {samples}")
+              f" every proxy within one request of vLLM on every decode worker: {samples};"
+              f" others' requests not weighed, per sample and proxy: {unweighed}")
 
 
 def test_a_recording_proxy_keeps_each_requests_decode_as_the_decode_workers_measured_it(

@@ -20,13 +20,20 @@ decode counts per expert as this worker measured them (``FinishedRequest``), in 
 message: that is how ``eldr serve --record`` learns what a request's decode read. Finished
 requests waiting to be sent are bounded (``max_pending``); past it they are dropped and
 counted, never queued without end.
+
+A request that arrived with its prefill signature (the proxies leave it in ``kv_transfer_params``
+for a worker that publishes) has the signature sent once, in the first message that lists the
+request (``signatures``): every proxy can then weigh the experts of the requests the others
+sent, not only their number. Sent once, not with every message: a signature is up to 16 KiB of
+base64. A message lost on the way loses the signatures it carried, and those requests count as
+load only for the proxies that missed it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -82,12 +89,18 @@ class BatchMessage:
     seq: int
     requests: frozenset[str]
     finished: tuple[FinishedRequest, ...] = ()
+    # name -> the signature's kv_transfer_params entries (``wire``), for requests new since the
+    # previous message; decoded by whoever routes on them, as the prefill's are.
+    signatures: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         message: dict[str, Any] = {"v": WIRE_VERSION, "seq": self.seq,
                                    "requests": sorted(self.requests)}
-        if self.finished:  # absent otherwise: proxies of the previous release read the rest
+        # Each absent when empty: proxies of the previous release read the rest.
+        if self.finished:
             message["finished"] = [f.to_json() for f in self.finished]
+        if self.signatures:
+            message["signatures"] = self.signatures
         return orjson.dumps(message)
 
     @classmethod
@@ -106,7 +119,12 @@ class BatchMessage:
         finished = data.get("finished", [])
         if not isinstance(finished, list):
             raise ValueError("a batch message's finished requests must be a list")
-        return cls(seq, frozenset(requests), tuple(FinishedRequest.from_json(f) for f in finished))
+        signatures = data.get("signatures", {})
+        if not isinstance(signatures, dict) or not all(
+                isinstance(v, dict) for v in signatures.values()):
+            raise ValueError("a batch message's signatures must map request ids to objects")
+        return cls(seq, frozenset(requests), tuple(FinishedRequest.from_json(f) for f in finished),
+                   signatures)
 
 
 def request_name(request_id: str, kv_transfer_params: dict[str, Any] | None) -> str:
@@ -121,6 +139,7 @@ class BatchPublisher:
     def __init__(self, endpoint: str, min_interval_s: float = 0.005,
                  heartbeat_s: float = 0.5, max_pending: int = 4096) -> None:
         self._held: dict[str, str] = {}  # vLLM's request id -> the name published
+        self._new_signatures: dict[str, dict[str, Any]] = {}  # name -> signature, not yet sent
         self._finished: list[FinishedRequest] = []
         self._max_pending = max_pending
         self.dropped = 0  # finished requests not sent: more than max_pending were waiting
@@ -139,17 +158,24 @@ class BatchPublisher:
                                         daemon=True)
         self._thread.start()
 
-    def add(self, request_id: str, name: str) -> None:
+    def add(self, request_id: str, name: str,
+            signature: dict[str, Any] | None = None) -> None:
+        """``signature``: the request's ``wire`` entries, sent with the first message that
+        lists it."""
         with self._lock:
             if self._held.get(request_id) == name:
                 return
             self._held[request_id] = name
+            if signature:
+                self._new_signatures[name] = signature
         self._changed.set()
 
     def remove(self, request_id: str) -> None:
         with self._lock:
-            if self._held.pop(request_id, None) is None:
+            name = self._held.pop(request_id, None)
+            if name is None:
                 return
+            self._new_signatures.pop(name, None)  # gone before it was sent: nobody needs it
         self._changed.set()
 
     def finished(self, request: FinishedRequest) -> None:
@@ -177,10 +203,12 @@ class BatchPublisher:
                 with self._lock:
                     names = frozenset(self._held.values())
                     finished, self._finished = tuple(self._finished), []
+                    signatures, self._new_signatures = self._new_signatures, {}
                 # A PUB socket never blocks: past its high-water mark it drops the message for
                 # that subscriber, which the next message (the whole set again) makes good
                 # (the finished requests it carried are lost; the proxy counts seq gaps).
-                self._socket.send(BatchMessage(seq, names, finished).encode(), zmq.NOBLOCK)
+                self._socket.send(BatchMessage(seq, names, finished, signatures).encode(),
+                                  zmq.NOBLOCK)
                 seq += 1
                 # Changes in the next moments go out together, in the next message.
                 self._stop.wait(self._min_interval_s)

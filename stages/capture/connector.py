@@ -47,6 +47,7 @@ from stages.capture.messages import StepPlan, StepReport
 from stages.capture.parallel import ParallelLayout, check_layout
 from stages.capture.recorder import SignatureRecorder
 from stages.capture.stats import EldrConnectorStats, EldrPromMetrics
+from stages.signature import wire
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -179,7 +180,7 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         if self._publisher is not None:
             params = request.kv_transfer_params
             name = request_name(request.request_id, params)
-            self._publisher.add(request.request_id, name)
+            self._publisher.add(request.request_id, name, wire.entries(params))
             if params and params.get(RECORD_KEY) is True and self._ledger is not None:
                 self._ledger.mark_record(request.request_id, name)
         return 0, False

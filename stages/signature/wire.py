@@ -18,6 +18,9 @@ SHAPE_KEY = "eldr_signature_shape"
 # Transformer layer index of each of the L rows, as the engine built its MoE layers.
 MOE_LAYERS_KEY = "eldr_moe_layers"
 MAX_COUNT = np.iinfo(np.int16).max
+# The entries that make up a signature (without the layer indices, which only a recording
+# proxy reads).
+SIGNATURE_KEYS = frozenset((SIGNATURE_KEY, SHAPE_KEY))
 
 
 def encode(counts: np.ndarray, moe_layers: tuple[int, ...] = ()) -> dict[str, Any]:
@@ -32,6 +35,13 @@ def encode(counts: np.ndarray, moe_layers: tuple[int, ...] = ()) -> dict[str, An
     if moe_layers:
         params[MOE_LAYERS_KEY] = [int(i) for i in moe_layers]
     return params
+
+
+def entries(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The signature's entries of ``params`` as they are (not decoded), or ``None``."""
+    if not params or SIGNATURE_KEY not in params:
+        return None
+    return {k: params[k] for k in SIGNATURE_KEYS if k in params}
 
 
 def empty_layers(counts: np.ndarray) -> np.ndarray:

@@ -181,6 +181,13 @@ def _publish_finished(behavior: FakeBehavior, body: dict[str, Any], tokens: int)
     behavior.publisher.finished(FinishedRequest(request_name("", kv), 8, tokens, counts))
 
 
+def _hold(behavior: FakeBehavior, held: str, body: dict[str, Any]) -> None:
+    """As eldr's connector does when the scheduler first sees the request."""
+    assert behavior.publisher is not None
+    kv = body.get("kv_transfer_params")
+    behavior.publisher.add(held, request_name(held, kv), wire.entries(kv))
+
+
 def _finish(behavior: FakeBehavior, body: dict[str, Any], tokens: int, held: str) -> None:
     _publish_finished(behavior, body, tokens)
     if behavior.publisher is not None:
@@ -215,7 +222,7 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
             # Held while it is answered, as a decode worker holds it while it decodes, so a
             # publishing fake sends a message per request whether or not it is recorded.
             if behavior.publisher is not None:
-                behavior.publisher.add(held, request_name(held, body.get("kv_transfer_params")))
+                _hold(behavior, held, body)
             data = _completion(behavior, body, chat, n)
             # After the answer is sent: vLLM's connector reports a finished request from the
             # engine core, beside the API server's answer, not before it.
@@ -224,7 +231,7 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
 
         async def events() -> AsyncIterator[bytes]:
             if behavior.publisher is not None:
-                behavior.publisher.add(held, request_name(held, body.get("kv_transfer_params")))
+                _hold(behavior, held, body)
             try:
                 async for event in _events():
                     yield event

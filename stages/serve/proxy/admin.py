@@ -87,6 +87,8 @@ def _published(state: ProxyState, index: int) -> dict[str, Any]:
     return {"batch_endpoint": state.config.decode_batch_endpoints[index],
             "published_requests": int(batches.published[index]),
             "others_in_flight": int(batches.others[index]),
+            # Of those, the ones whose experts routing weighs (their signatures came).
+            "others_weighed": len(batches.weighed[index]),
             "published_age_s": None if age is None else round(age, 3)}
 
 

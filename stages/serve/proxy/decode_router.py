@@ -18,7 +18,7 @@ import numpy as np
 from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
 from stages.routing.context import RoutingContext
-from stages.routing.inputs import routing_inputs
+from stages.routing.inputs import routing_inputs, signature_counts
 from stages.routing.policies import (
     DecodePolicy,
     RoutingRequest,
@@ -29,6 +29,10 @@ from stages.routing.policy_config import PolicyConfig
 from stages.serve.proxy.artifact_source import ArtifactLike
 from stages.serve.proxy.online_refit import OnlineRefitter, RefitResult
 from stages.signature import wire
+
+# What a peer's request hands a policy's ``on_dispatch``: it was not routed here, so no loads.
+_NO_LOADS = np.zeros(0, dtype=np.int64)
+_NO_WORKERS = np.zeros(0, dtype=bool)
 
 
 class Features(NamedTuple):  # a tuple: one per request, built in half a dataclass's time
@@ -86,6 +90,9 @@ class DecodeRouter:
         self.generation = 0
         # Names each dispatched request for the policy until it completes.
         self._keys = itertools.count()
+        # Other proxies' requests on each worker whose signatures came (``peer_joined``), as
+        # the policy heard of them: replayed to a policy built later.
+        self._peers: dict[tuple[int, str], RoutingRequest] = {}
         if artifact is not None:
             self._install(artifact)
         self.policy: DecodePolicy = self._build(policy, self.policy_config, seed)
@@ -120,9 +127,15 @@ class DecodeRouter:
         if overrides is not None:
             config = config.updated(name, overrides)
         seed = self.seed if seed is None else seed
-        self.policy = self._build(name, config, seed)  # raises before anything changes
+        self._use(self._build(name, config, seed))  # raises before anything changes
         self.policy_config = config
         self.policy_seed = seed
+
+    def _use(self, policy: DecodePolicy) -> None:
+        """Make ``policy`` the active one, told of the other proxies' requests in flight."""
+        for (worker, name), request in self._peers.items():
+            policy.on_dispatch(worker, request, ("peer", name))
+        self.policy = policy
 
     def set_artifact(self, artifact: ArtifactLike) -> None:
         top_k = self._top_k()
@@ -132,7 +145,7 @@ class DecodeRouter:
         elif self.policy.uses_counts and self._top_k() != top_k:
             # A new top-k is a new reading of every count; in-flight requests keep completing
             # on the policy that counted them (their Decision holds it).
-            self.policy = self._build(self.policy.name, self.policy_config, self.policy_seed)
+            self._use(self._build(self.policy.name, self.policy_config, self.policy_seed))
 
     def _install(self, artifact: ArtifactLike) -> None:
         centroids = np.asarray(artifact.centroids, dtype=np.float32)
@@ -193,6 +206,26 @@ class DecodeRouter:
         # Bound to the policy that heard the dispatch: after a switch the old one hears the
         # completion and forgets the request; the new one never counted it.
         return Decision(worker, partial(policy.on_complete, key=key))
+
+    # --- the other proxies' requests, as the decode workers publish them ---
+
+    def peer_joined(self, worker: int, name: str, signature: dict[str, Any]) -> None:
+        """Another proxy's request ``name`` runs on ``worker``: the policy weighs its experts
+        from now on, as it weighs those of the requests it routed itself."""
+        counts = signature_counts(wire.decode(signature, self._expected_shape))
+        if counts is None:
+            return  # no usable signature: it counts as load only (``PublishedBatches``)
+        request = RoutingRequest(loads=_NO_LOADS, eligible=_NO_WORKERS, counts=counts)
+        self._peers[(worker, name)] = request
+        self.policy.on_dispatch(worker, request, ("peer", name))
+
+    def peer_left(self, worker: int, name: str) -> None:
+        if self._peers.pop((worker, name), None) is not None:
+            self.policy.on_complete(worker, ("peer", name))
+
+    @property
+    def peers_weighed(self) -> int:
+        return len(self._peers)
 
     # --- online refit (the proxy runs ``fit`` off the event loop) ---
 

@@ -35,7 +35,6 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = MappingProxyType(
         "remote_port": None,
     }
 )
-_SIGNATURE_KEYS = frozenset((wire.SIGNATURE_KEY, wire.SHAPE_KEY))
 
 
 @dataclass(frozen=True)
@@ -103,13 +102,18 @@ def decode_body(
         # prompt, which is slower but correct, so do not forward a stale client value either.
         out.pop("kv_transfer_params", None)
         return out
-    # The NIXL hand-off goes on unchanged; the signature stays behind: the decode worker has
-    # no use for it, and it is most of the bytes (16 KiB of base64 for 48x128 experts).
-    params = {k: v for k, v in (kv_transfer_params or {}).items() if k not in _SIGNATURE_KEYS}
     if tag is not None:
+        # A worker that publishes its batch passes the signature on to every proxy, which
+        # weighs the experts of the requests others sent (``batch_publisher``).
+        params = dict(kv_transfer_params or {})
         params[REQUEST_TAG] = tag
         if record:
             params[RECORD_KEY] = True
+    else:
+        # The NIXL hand-off goes on unchanged; the signature stays behind: this decode worker
+        # has no use for it, and it is most of the bytes (16 KiB of base64 for 48x128 experts).
+        params = {k: v for k, v in (kv_transfer_params or {}).items()
+                  if k not in wire.SIGNATURE_KEYS}
     out["kv_transfer_params"] = params
     return out
 

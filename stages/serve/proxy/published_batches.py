@@ -9,6 +9,11 @@ are never counted twice: one it sent is its own whether or not the worker has pu
 yet, and one that ended here is still its own for ``forget_after_s``, while publications made
 before it ended may still list it.
 
+The others' requests also come with their prefill signatures, each sent once by the worker
+(``BatchMessage.signatures``): a ``listener`` (the decode router) hears which of them joined and
+left each worker, so eldr-union weighs their experts as it weighs its own. One whose signature
+this proxy missed (a message lost, or sent before it subscribed) counts as load only.
+
 A worker that has published nothing for ``stale_after_s`` (the publisher's heartbeat is 0.5 s)
 is taken to hold none of the others' requests: a proxy whose subscription broke routes on its
 own counts, as a lone proxy does, rather than on a frozen view.
@@ -20,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
@@ -30,12 +36,23 @@ from stages.capture.batch_publisher import BatchMessage, FinishedRequest
 log = logging.getLogger(__name__)
 
 
+class OthersListener(Protocol):
+    """Hears of the other proxies' requests whose signatures came, as they join and leave."""
+
+    def peer_joined(self, worker: int, name: str, signature: dict[str, Any]) -> None: ...
+
+    def peer_left(self, worker: int, name: str) -> None: ...
+
+
 class PublishedBatches:
     def __init__(self, num_workers: int, stale_after_s: float = 2.0,
                  forget_after_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.others = np.zeros(num_workers, dtype=np.int64)  # read by WorkerPool.loads
         self.published = np.zeros(num_workers, dtype=np.int64)  # as last published, all proxies
+        # Per worker, the others' requests the listener was told of (their experts weighed).
+        self.weighed: list[set[str]] = [set() for _ in range(num_workers)]
+        self.listener: OthersListener | None = None
         self._heard = np.full(num_workers, -np.inf)
         self._own: set[str] = set()  # sent by this proxy, not ended
         self._ended: dict[str, float] = {}  # ended here -> when (oldest first)
@@ -51,20 +68,42 @@ class PublishedBatches:
             self._own.discard(name)
             self._ended[name] = self._clock()
 
-    def heard(self, worker: int, requests: frozenset[str]) -> None:
-        """Worker ``worker`` published that it holds ``requests``."""
+    def heard(self, worker: int, requests: frozenset[str],
+              signatures: dict[str, dict[str, Any]] | None = None) -> None:
+        """Worker ``worker`` published that it holds ``requests``; ``signatures`` are those of
+        the requests it lists for the first time."""
         now = self._clock()
         self._forget(now)
         self._heard[worker] = now
         self.published[worker] = len(requests)
         own, ended = self._own, self._ended
-        self.others[worker] = sum(1 for r in requests if r not in own and r not in ended)
+        if self.listener is None:
+            self.others[worker] = sum(1 for r in requests if r not in own and r not in ended)
+            return
+        others = {r for r in requests if r not in own and r not in ended}
+        self.others[worker] = len(others)
+        self._tell(worker, others, signatures or {})
 
     def silent(self, worker: int) -> None:
         """Nothing heard from ``worker`` in time: count none of the others' requests on it."""
         if self._clock() - self._heard[worker] >= self._stale_after_s:
             self.others[worker] = 0
             self.published[worker] = 0
+            self._tell(worker, set(), {})
+
+    def _tell(self, worker: int, others: set[str], signatures: dict[str, dict[str, Any]]) -> (
+        None
+    ):
+        listener, weighed = self.listener, self.weighed[worker]
+        if listener is None:
+            return
+        for name in weighed - others:
+            weighed.discard(name)
+            listener.peer_left(worker, name)
+        for name, signature in signatures.items():
+            if name in others and name not in weighed:
+                weighed.add(name)
+                listener.peer_joined(worker, name, signature)
 
     def age_s(self, worker: int) -> float | None:
         """Seconds since ``worker`` last published; None if it never did."""
@@ -120,7 +159,7 @@ async def _follow(context: zmq.asyncio.Context, worker: int, endpoint: str,
                                 worker, endpoint, exc)
                     warned = True
                 continue
-            batches.heard(worker, message.requests)
+            batches.heard(worker, message.requests, message.signatures)
             if on_finished is not None:
                 for finished in message.finished:
                     on_finished(finished)

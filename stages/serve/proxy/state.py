@@ -144,6 +144,8 @@ def build_state(
         worker_slots=config.decode_slots, policy_config=config.policy_config,
         model_top_k=config.model_top_k,
     )
+    if published is not None:
+        published.listener = router  # the others' requests weighed by their experts too
     return ProxyState(
         config=config,
         prefill=prefill,
