@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,9 +27,11 @@ from stages.capture.messages import StepReport
 from stages.errors import EldrError
 from stages.serve.deploy import ServeOptions
 from stages.serve.proxy import create_app
+from stages.serve.proxy.recorded_row import RecordedRow, build_record, identity_of
 from stages.serve.proxy.recording import RecordConfig
+from stages.signature import wire
 from stages.signature.appender import DatasetAppender
-from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
+from stages.signature.dataset import ModelIdentity, SignatureDataset
 from tests.conftest import free_port
 from tests.fakes.worker import (
     BackgroundServer,
@@ -93,43 +96,74 @@ def test_a_recorded_request_aborted_before_it_ran_is_forgotten() -> None:
 
 def test_finished_requests_travel_with_the_batch_and_bad_ones_are_refused() -> None:
     counts = np.arange(8, dtype=np.int32).reshape(2, 4)
-    message = BatchMessage(3, frozenset({"a"}), (FinishedRequest("b", 20, 5, counts),))
+    message = BatchMessage(3, frozenset({"a"}), (FinishedRequest.measured("b", 20, 5, counts),))
     back = BatchMessage.decode(message.encode())
     assert back.requests == {"a"} and back.finished[0].name == "b"
     assert (back.finished[0].prompt_tokens, back.finished[0].output_tokens) == (20, 5)
-    np.testing.assert_array_equal(back.finished[0].decode_counts, counts)
+    np.testing.assert_array_equal(wire.decode(back.finished[0].decode_counts), counts)
     assert "finished" not in json.loads(BatchMessage(4, frozenset()).encode())
     raw = json.loads(message.encode())
     for bad in ([{"name": "b", "prompt_tokens": 1, "output_tokens": -1}], [3], "x",
-                [{**raw["finished"][0], "decode_counts": {"eldr_signature": "@@"}}]):
+                [{**raw["finished"][0], "decode_counts": {"eldr_signature_shape": [2, 4]}}]):
         with pytest.raises(ValueError):
             BatchMessage.decode(json.dumps({**raw, "finished": bad}).encode())
+    # Counts that do not decode pass the message (the proxy does not decode them) and are
+    # refused where they are decoded, in the writer.
+    garbled = [{**raw["finished"][0], "decode_counts": {"eldr_signature": "@@"}}]
+    [finished] = BatchMessage.decode(json.dumps({**raw, "finished": garbled}).encode()).finished
+    row = _row("b", decode=finished.decode_counts)
+    with pytest.raises(ValueError, match="decode counts are malformed"):
+        build_record(row)
 
 
-def _row(name: str, shape: tuple[int, int] = (2, 4)) -> CaptureRecord:
-    counts = np.ones(shape, dtype=np.int32)
-    return CaptureRecord(name, "traffic", "0" * 64, 8, 4, counts, counts)
+def _row(name: str, shape: tuple[int, int] = (2, 4), decode: dict | None = None) -> RecordedRow:
+    counts = wire.encode(np.ones(shape, dtype=np.int32))
+    return RecordedRow(name, counts, counts if decode is None else decode, b"p", False, 8, 4,
+                       0.0, 0.1, 0.2)
+
+
+def _appender(path: Path, identity: ModelIdentity, **kw: int) -> DatasetAppender:
+    return DatasetAppender(path, "v", build_record, partial(identity_of, "m", identity), **kw)
 
 
 def test_the_writer_appends_what_it_is_handed_and_everything_before_close(
         tmp_path: Path) -> None:
     identity = ModelIdentity("m", 2, 4, 2)
-    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v")
+    appender = _appender(tmp_path / "t.zarr", identity)
     assert appender.put([_row(f"r{i}") for i in range(3)])
     deadline = time.monotonic() + 10
     while appender.counts.appended < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(SignatureDataset.open(tmp_path / "t.zarr")) == 3  # appended, committed
-    appender.put([_row("r3"), _row("odd", shape=(3, 4))])  # another model's counts: dropped
+    # Another model's counts, and counts that do not decode: dropped, each counted.
+    appender.put([_row("r3"), _row("odd", shape=(3, 4)),
+                  _row("garbled", decode={wire.SIGNATURE_KEY: "@@", wire.SHAPE_KEY: [2, 4]})])
     appender.close()
     dataset = SignatureDataset.open(tmp_path / "t.zarr")
-    assert dataset.read().ids.tolist() == ["r0", "r1", "r2", "r3"]
-    assert appender.counts.dropped_shape == 1 and dataset.identity == identity
+    arrays = dataset.read()
+    assert arrays.ids.tolist() == ["r0", "r1", "r2", "r3"]
+    assert arrays.prompt_sha256[0] == hashlib.sha256(b"p").hexdigest()
+    np.testing.assert_array_equal(arrays.decode_counts[3], np.ones((2, 4)))
+    counts = appender.counts
+    assert (counts.dropped_shape, counts.malformed, counts.failed) == (1, 1, 0)
+    assert dataset.identity == identity
+
+
+def test_a_new_dataset_takes_the_served_models_identity_else_the_first_rows() -> None:
+    row = _row("r")
+    record = build_record(row)
+    served = ModelIdentity("served", 2, 4, 2, (1, 3))
+    assert identity_of("m", served, row, record) == served
+    layered = RecordedRow("r", wire.encode(record.prefill_counts * 2, (1, 3)), row.decode,
+                          b"p", False, 8, 4, 0.0, 0.1, 0.2)
+    # 8 picks in the first MoE layer over 8 prompt tokens: top-k 1.
+    inferred = identity_of("m", None, layered, build_record(layered))
+    assert inferred == ModelIdentity("m", 2, 4, 1, (1, 3))
 
 
 def test_a_writer_too_far_behind_drops_and_counts(tmp_path: Path) -> None:
     identity = ModelIdentity("m", 2, 4, 2)
-    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v", max_rows=4)
+    appender = _appender(tmp_path / "t.zarr", identity, max_rows=4)
     results = [appender.put([_row(f"r{i}"), _row(f"s{i}")]) for i in range(50)]
     appender.close()
     assert appender.counts.dropped_full == 2 * results.count(False) > 0
@@ -142,7 +176,7 @@ def test_a_writer_process_that_dies_is_replaced_and_its_loss_counted(tmp_path: P
     import signal
 
     identity = ModelIdentity("m", 2, 4, 2)
-    appender = DatasetAppender(tmp_path / "t.zarr", lambda row: identity, "v")
+    appender = _appender(tmp_path / "t.zarr", identity)
     assert appender.put([_row("r0")])
     deadline = time.monotonic() + 20
     while appender.counts.appended < 1:

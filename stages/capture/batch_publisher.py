@@ -53,32 +53,39 @@ WIRE_VERSION = 1
 
 @dataclass(frozen=True)
 class FinishedRequest:
-    """A recorded request's decode as its decode worker measured it: ``decode_counts[l, e]``
-    counts the generated tokens (those this worker ran forward) that picked expert ``e`` in
-    MoE layer ``l``; the lengths are vLLM's, in tokens."""
+    """A recorded request's decode as its decode worker measured it: ``decode_counts`` holds
+    ``[l, e]``, the generated tokens (those this worker ran forward) that picked expert ``e`` in
+    MoE layer ``l``, packed as ``wire.encode`` packs a signature (a proxy hands them to its
+    writer process as they came, and they are decoded there); the lengths are vLLM's, in
+    tokens."""
 
     name: str
     prompt_tokens: int
     output_tokens: int
-    decode_counts: np.ndarray  # int32 [L, E]
+    decode_counts: dict[str, Any]
+
+    @classmethod
+    def measured(cls, name: str, prompt_tokens: int, output_tokens: int,
+                 counts: np.ndarray) -> FinishedRequest:
+        return cls(name, prompt_tokens, output_tokens, wire.encode(counts))
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "prompt_tokens": self.prompt_tokens,
-                "output_tokens": self.output_tokens,
-                "decode_counts": wire.encode(self.decode_counts)}
+                "output_tokens": self.output_tokens, "decode_counts": self.decode_counts}
 
     @classmethod
     def from_json(cls, data: Any) -> FinishedRequest:
-        """Raises ValueError on a malformed entry."""
+        """Raises ValueError on a malformed entry (the counts' contents are checked where they
+        are decoded: ``recorded_row.build_record``)."""
         if not isinstance(data, dict):
             raise ValueError("a finished request must be an object")
         name, lengths = data.get("name"), (data.get("prompt_tokens"), data.get("output_tokens"))
         if not isinstance(name, str) or not all(type(n) is int and n >= 0 for n in lengths):
             raise ValueError("a finished request needs a name and its lengths in tokens")
-        counts = wire.decode(data.get("decode_counts"))
-        if counts is None:
-            raise ValueError(f"finished request {name!r} has no valid decode counts")
-        return cls(name, lengths[0], lengths[1], counts.astype(np.int32))
+        counts = data.get("decode_counts")
+        if not isinstance(counts, dict) or not isinstance(counts.get(wire.SIGNATURE_KEY), str):
+            raise ValueError(f"finished request {name!r} has no decode counts")
+        return cls(name, lengths[0], lengths[1], counts)
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ class BatchPublisher:
                  heartbeat_s: float = 0.5, max_pending: int = 4096) -> None:
         self._held: dict[str, str] = {}  # vLLM's request id -> the name published
         self._new_signatures: dict[str, dict[str, Any]] = {}  # name -> signature, not yet sent
-        self._finished: list[FinishedRequest] = []
+        self._finished: list[tuple[str, int, int, np.ndarray]] = []
         self._max_pending = max_pending
         self.dropped = 0  # finished requests not sent: more than max_pending were waiting
         self._lock = threading.Lock()
@@ -178,7 +185,11 @@ class BatchPublisher:
             self._new_signatures.pop(name, None)  # gone before it was sent: nobody needs it
         self._changed.set()
 
-    def finished(self, request: FinishedRequest) -> None:
+    def finished(self, name: str, prompt_tokens: int, output_tokens: int,
+                 decode_counts: np.ndarray) -> None:
+        """A recorded request ended (``FinishedRequest``); its counts are packed in the
+        publisher's thread, off the scheduler's path."""
+        request = (name, prompt_tokens, output_tokens, decode_counts)
         with self._lock:
             if len(self._finished) >= self._max_pending:
                 self.dropped += 1
@@ -202,11 +213,12 @@ class BatchPublisher:
                 self._changed.clear()
                 with self._lock:
                     names = frozenset(self._held.values())
-                    finished, self._finished = tuple(self._finished), []
+                    measured, self._finished = self._finished, []
                     signatures, self._new_signatures = self._new_signatures, {}
                 # A PUB socket never blocks: past its high-water mark it drops the message for
                 # that subscriber, which the next message (the whole set again) makes good
                 # (the finished requests it carried are lost; the proxy counts seq gaps).
+                finished = tuple(FinishedRequest.measured(*m) for m in measured)
                 self._socket.send(BatchMessage(seq, names, finished, signatures).encode(),
                                   zmq.NOBLOCK)
                 seq += 1

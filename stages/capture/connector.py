@@ -38,7 +38,6 @@ from vllm.logger import init_logger
 from stages.capture.batch_publisher import (
     RECORD_KEY,
     BatchPublisher,
-    FinishedRequest,
     request_name,
 )
 from stages.capture.kv_group import signature_group
@@ -204,7 +203,7 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         if self._ledger.recorded:
             if self._publisher is not None:
                 for recorded in self._ledger.recorded:
-                    self._publisher.finished(FinishedRequest(*recorded))
+                    self._publisher.finished(*recorded)
             self._ledger.recorded.clear()
         if report is not None and report.decode_steps:
             self._stats.add(report)

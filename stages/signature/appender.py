@@ -2,20 +2,25 @@
 
 A live process (the routing proxy recording its traffic) must never wait on zarr: rows are
 handed over in batches with ``put`` (never blocks; past ``max_rows`` waiting the batch is
-dropped and counted) and a writer process appends each batch, in order, as one append. A
+dropped and counted) and a writer process appends each batch, in order, as one append. Rows are
+handed over raw (whatever the live process had at hand) and the writer builds the dataset's
+rows from them (``build``), so decoding and hashing leave the live process too. A
 process, not a thread: an append is about 45-80 ms of zarr work that holds the GIL in pieces
 (its own event loop, a thread pool, codecs). In a thread it raised the proxy's p99 at
 concurrency 1 from 1.6-1.7 ms to 2.7-3.0 ms; from a process, to 2.1-2.2 ms (``examples.
-bench_proxy``, ``eldr-union-pub`` against ``eldr-union-rec``). The proxy pays for pickling the
-batch (about 7 us a row).
+bench_proxy``, ``eldr-union-pub`` against ``eldr-union-rec``), and with the process at the
+lowest CPU priority (it yields a short machine's cores to serving), 1.7-2.5 ms with the p50
+1.21-1.22 ms against 1.17-1.22. The live process pays for pickling the raw rows (about 5 us a
+row).
 
 Each append commits (``SignatureDataset.append`` bumps the commit pointer last), so a kill -9
 of the live process loses at most the rows not yet handed over (the writer watches its parent
 and exits once the append under way ends); ``close`` appends everything handed over before it
 returns.
 
-The dataset is created with the first row's model identity unless it exists; a row of another
-shape than the store's is dropped and counted, never written.
+The dataset is created with the model identity ``identity`` gives for the first row unless it
+exists; a row ``build`` refuses, or of another shape than the store's, is dropped and counted,
+never written.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from stages.errors import EldrError
 from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
@@ -43,6 +49,7 @@ class AppenderCounts:
     appended: int = 0
     dropped_full: int = 0  # the queue was full: the writer fell behind
     dropped_shape: int = 0  # counts of another shape than the store's
+    malformed: int = 0  # rows ``build`` refused (counts that do not decode)
     failed: int = 0  # rows lost to a failed write (the error is logged)
     errors: list[str] = field(default_factory=list)  # the first few, for /admin/state
 
@@ -53,6 +60,7 @@ class _Appended:
 
     appended: int
     dropped_shape: int
+    malformed: int = 0
     error: str | None = None
 
 
@@ -65,6 +73,9 @@ def _exit_with_parent() -> None:
     """The writer's initializer: a thread that ends the writer once its parent is gone. A pool
     worker blocked on its call queue never sees a killed parent's pipe close (it holds both
     ends), so without it a kill -9 of the proxy would leave the writer behind."""
+    # Recording is background work: where cores are short it yields them to the serving
+    # processes beside it (the proxy, the engines) instead of taking its share.
+    os.nice(19)
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -77,26 +88,45 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="eldr-writer-parent-watch", daemon=True).start()
 
 
-def _append(path: Path, identity: ModelIdentity, vllm_version: str,
-            rows: list[CaptureRecord]) -> _Appended:
+# What the writer does with a raw row: the dataset's row (ValueError: a row it cannot build).
+RowBuilder = Callable[[Any], CaptureRecord]
+# The model a new dataset is created for, from the first raw row and the row built from it.
+IdentityOf = Callable[[Any, CaptureRecord], ModelIdentity]
+
+
+def _append(path: Path, vllm_version: str, build: RowBuilder, identity: IdentityOf,
+            rows: list[Any]) -> _Appended:
     """One append, in the writer process. The store is opened each time (a few ms against an
     append's tens): the writer keeps no state between batches."""
     with _APPENDING:
-        return _append_now(path, identity, vllm_version, rows)
+        return _append_now(path, vllm_version, build, identity, rows)
 
 
-def _append_now(path: Path, identity: ModelIdentity, vllm_version: str,
-                rows: list[CaptureRecord]) -> _Appended:
+def _append_now(path: Path, vllm_version: str, build: RowBuilder, identity: IdentityOf,
+                rows: list[Any]) -> _Appended:
+    built: list[tuple[Any, CaptureRecord]] = []
+    refused: list[str] = []
+    for raw in rows:
+        try:
+            built.append((raw, build(raw)))
+        except ValueError as exc:
+            refused.append(str(exc))
+    if refused:  # once a batch: a worker that sends bad counts sends them all the time
+        log.warning("recording: %d rows dropped, the first: %s", len(refused), refused[0])
+    if not built:
+        return _Appended(0, 0, len(refused))
     try:
-        dataset = SignatureDataset.create_or_open(path, identity, vllm_version)
+        # An existing store keeps its identity (the live process checked it at its start).
+        dataset = (SignatureDataset.open(path, writable=True) if path.exists() else
+                   SignatureDataset.create_or_open(path, identity(*built[0]), vllm_version))
         shape = dataset.identity.shape
-        good = [r for r in rows
+        good = [r for _, r in built
                 if r.prefill_counts.shape == shape and r.decode_counts.shape == shape]
         dataset.append(good)
-        return _Appended(len(good), len(rows) - len(good))
+        return _Appended(len(good), len(built) - len(good), len(refused))
     except (EldrError, OSError, ValueError) as exc:
         # The writer lives on: a full disk may clear, and the proxy keeps serving.
-        return _Appended(0, 0, str(exc))
+        return _Appended(0, 0, len(refused), str(exc))
 
 
 def _start_writer() -> ProcessPoolExecutor:
@@ -107,13 +137,15 @@ def _start_writer() -> ProcessPoolExecutor:
 
 
 class DatasetAppender:
-    def __init__(self, path: Path, identity: Callable[[CaptureRecord], ModelIdentity],
-                 vllm_version: str, max_rows: int = 65536) -> None:
-        """``identity`` names the model of the first row when the store must be created."""
+    def __init__(self, path: Path, vllm_version: str, build: RowBuilder, identity: IdentityOf,
+                 max_rows: int = 65536) -> None:
+        """``build`` and ``identity`` run in the writer process: module-level functions (or
+        partials of them), so they can be sent there."""
         self.path = Path(path)
         self.counts = AppenderCounts()
-        self._identity = identity
         self._vllm_version = vllm_version
+        self._build = build
+        self._identity = identity
         self._max_rows = max_rows
         self._waiting = 0  # rows handed over, not yet appended
         self._lock = threading.Lock()  # the counts change in the executor's thread
@@ -124,9 +156,10 @@ class DatasetAppender:
 
     @property
     def store_identity(self) -> ModelIdentity | None:
+        """The model of the dataset as it was when recording started (None: a new one)."""
         return self._store_identity
 
-    def put(self, rows: list[CaptureRecord]) -> bool:
+    def put(self, rows: list[Any]) -> bool:
         """Hand rows over; False if they were dropped (the writer is ``max_rows`` behind)."""
         if not rows:
             return True
@@ -135,16 +168,13 @@ class DatasetAppender:
                 self.counts.dropped_full += len(rows)
                 return False
             self._waiting += len(rows)
-        if self._store_identity is None:
-            self._store_identity = self._identity(rows[0])
+        job = (_append, self.path, self._vllm_version, self._build, self._identity, rows)
         try:
-            future = self._writer.submit(_append, self.path, self._store_identity,
-                                         self._vllm_version, rows)
+            future = self._writer.submit(*job)
         except BrokenProcessPool as exc:  # the writer died (killed, out of memory): a new one
             log.error("recording: the writer process died (%s); starting another", exc)
             self._writer = _start_writer()
-            future = self._writer.submit(_append, self.path, self._store_identity,
-                                         self._vllm_version, rows)
+            future = self._writer.submit(*job)
         future.add_done_callback(partial(self._appended, rows=len(rows)))
         return True
 
@@ -159,15 +189,17 @@ class DatasetAppender:
 
     def _appended(self, done: Future[_Appended], rows: int) -> None:
         exc = done.exception()
-        outcome = _Appended(0, 0, repr(exc)) if exc is not None else done.result()
+        outcome = _Appended(0, 0, error=repr(exc)) if exc is not None else done.result()
         with self._lock:
             self._waiting -= rows
             self.counts.appended += outcome.appended
             self.counts.dropped_shape += outcome.dropped_shape
+            self.counts.malformed += outcome.malformed
+            lost = rows - outcome.malformed  # those refused are counted as such
             if outcome.error is not None:
-                self.counts.failed += rows
+                self.counts.failed += lost
                 if len(self.counts.errors) < 5:
                     self.counts.errors.append(outcome.error)
         if outcome.error is not None:
-            log.error("recording: %d rows not written to %s: %s", rows, self.path,
+            log.error("recording: %d rows not written to %s: %s", lost, self.path,
                       outcome.error)

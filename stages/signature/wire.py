@@ -37,11 +37,13 @@ def encode(counts: np.ndarray, moe_layers: tuple[int, ...] = ()) -> dict[str, An
     return params
 
 
-def entries(params: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The signature's entries of ``params`` as they are (not decoded), or ``None``."""
+def entries(params: dict[str, Any] | None, with_layers: bool = False) -> dict[str, Any] | None:
+    """The signature's entries of ``params`` as they are (not decoded), or ``None``;
+    ``with_layers``: the MoE layer indices too."""
     if not params or SIGNATURE_KEY not in params:
         return None
-    return {k: params[k] for k in SIGNATURE_KEYS if k in params}
+    keys = (*SIGNATURE_KEYS, MOE_LAYERS_KEY) if with_layers else SIGNATURE_KEYS
+    return {k: params[k] for k in keys if k in params}
 
 
 def empty_layers(counts: np.ndarray) -> np.ndarray:

@@ -29,7 +29,6 @@ from starlette.routing import Route
 from stages.capture.batch_publisher import (
     RECORD_KEY,
     BatchPublisher,
-    FinishedRequest,
     request_name,
 )
 from stages.serve.proxy.self_check import PROBE_PROMPT
@@ -178,7 +177,7 @@ def _publish_finished(behavior: FakeBehavior, body: dict[str, Any], tokens: int)
     if behavior.publisher is None or not isinstance(kv, dict) or kv.get(RECORD_KEY) is not True:
         return
     counts = (behavior.decode_counts or fake_decode_counts)(body, tokens)
-    behavior.publisher.finished(FinishedRequest(request_name("", kv), 8, tokens, counts))
+    behavior.publisher.finished(request_name("", kv), 8, tokens, counts)
 
 
 def _hold(behavior: FakeBehavior, held: str, body: dict[str, Any]) -> None:

@@ -1,42 +1,38 @@
 """`eldr serve --record`: the proxy's own traffic, kept as a signature dataset `eldr fit` reads.
 
 For a sampled request (``RecordConfig.rate``) the proxy keeps what it knows when the prefill
-answers: the prompt's signature (the counts it routes on), a digest of the prompt (the prompt
-itself only with ``prompts``), when it arrived. It asks the decode worker to measure the decode
+answers: the prompt's signature (the counts it routes on), the prompt (its sha256 is stored, its
+text only with ``prompts``), when it arrived. It asks the decode worker to measure the decode
 (``batch_publisher.RECORD_KEY``); the worker publishes the request's decode counts per expert
 and its lengths when it ends, beside its batch (``FinishedRequest``), and the row is complete.
-Complete rows go to a writer thread (``DatasetAppender``) every ``handover_s`` (``run``) or
+Complete rows go to a writer process (``DatasetAppender``) every ``handover_s`` (``run``) or
 ``handover_rows``, whichever comes first, and each hand-over is one append. Nothing here
-waits on a disk or a worker: the request path only files a small entry.
+waits on a disk or a worker, or decodes: the request path only files the entries it was sent,
+and the writer decodes and hashes them (``recorded_row``).
 
 Bounded: entries whose request never comes back (a worker that died, a message the PUB socket
 dropped) are forgotten after ``forget_after_s``, and at most ``max_pending`` wait; both are
-counted. The row's model identity is the served model's (``ProxyConfig.self_check``, as `eldr
-capture` writes it) when the proxy knows it, else read from the first signature (its shape,
-its MoE layer indices, and top-k as picks per prompt token).
+counted. A new dataset's model identity is ``recorded_row.identity_of``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from stages.capture.batch_publisher import FinishedRequest
 from stages.errors import EldrError
+from stages.serve.proxy.recorded_row import RecordedRow, build_record, identity_of
 from stages.signature import wire
 from stages.signature.appender import DatasetAppender
-from stages.signature.dataset import CaptureRecord, ModelIdentity
-
-DOMAIN = "traffic"  # the dataset's domain column for recorded rows
+from stages.signature.dataset import ModelIdentity
 
 
 @dataclass(frozen=True)
@@ -52,10 +48,8 @@ class RecordConfig:
 
 @dataclass
 class _Pending:
-    prefill: np.ndarray  # int16 [L, E], as the prefill sent it
-    moe_layers: tuple[int, ...] | None
-    digest: str
-    prompt: str
+    prefill: dict[str, Any]  # the signature's entries, as the prefill sent them
+    prompt: bytes
     arrival_unix_s: float
     arrived: float  # time.monotonic()
     ttft_s: float = math.nan
@@ -67,24 +61,23 @@ class TrafficRecorder:
                  forget_after_s: float = 600.0, handover_s: float = 2.0,
                  handover_rows: int = 4096) -> None:
         self.config = config
-        self._appender = DatasetAppender(config.path, self._identity_of, vllm_version)
+        self._appender = DatasetAppender(config.path, vllm_version, build_record,
+                                         partial(identity_of, model_name, identity))
         stored = self._appender.store_identity
         if stored is not None and identity is not None and stored != identity:
             self._appender.close()
             raise EldrError(f"{config.path} holds signatures of {stored.describe()}, not of the"
                             f" served {identity.describe()}; record into another path")
-        self._identity = stored or identity
-        self._model_name = model_name
         self._rng = random.Random(seed)
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # oldest first
         self._max_pending = max_pending
         self._forget_after_s = forget_after_s
-        self._rows: list[CaptureRecord] = []  # complete, not yet handed to the writer
+        self._rows: list[RecordedRow] = []  # complete, not yet handed to the writer
         self._handover_s = handover_s
         self._handover_rows = handover_rows
         self.unmatched = 0  # finished requests this proxy did not record (other proxies')
         self.forgotten = 0  # recorded requests whose decode counts never came
-        self.no_signature = 0  # sampled requests whose prefill sent no valid signature
+        self.no_signature = 0  # sampled requests whose prefill sent no signature
 
     # -- the request path (event loop) ---------------------------------------------------
     def begin(self, name: str, kv_transfer_params: dict[str, Any] | None, prompt_key: bytes,
@@ -93,8 +86,8 @@ class TrafficRecorder:
         its entry waits under ``name`` for the decode worker's counts."""
         if self.config.rate < 1 and self._rng.random() >= self.config.rate:
             return False
-        counts = wire.decode(kv_transfer_params)
-        if counts is None:
+        entries = wire.entries(kv_transfer_params, with_layers=True)
+        if entries is None:
             self.no_signature += 1
             return False
         now = time.monotonic()
@@ -102,12 +95,7 @@ class TrafficRecorder:
         if len(self._pending) >= self._max_pending:
             self._pending.popitem(last=False)
             self.forgotten += 1
-        self._pending[name] = _Pending(
-            prefill=counts, moe_layers=wire.decode_moe_layers(kv_transfer_params),
-            digest=hashlib.sha256(prompt_key).hexdigest(),
-            prompt=prompt_key.decode(errors="replace") if self.config.prompts else "",
-            arrival_unix_s=time.time() - (now - arrived), arrived=arrived,
-        )
+        self._pending[name] = _Pending(entries, prompt_key, time.time() - (now - arrived), arrived)
         return True
 
     def renamed(self, old: str, new: str) -> None:
@@ -132,14 +120,11 @@ class TrafficRecorder:
         if entry is None:
             self.unmatched += 1
             return
-        if self._identity is None:
-            self._identity = self._infer_identity(entry, done)
-        self._rows.append(CaptureRecord(
-            id=done.name, domain=DOMAIN, prompt_sha256=entry.digest,
-            prompt_tokens=done.prompt_tokens, output_tokens=done.output_tokens,
-            prefill_counts=entry.prefill.astype(np.int32), decode_counts=done.decode_counts,
-            arrival_unix_s=entry.arrival_unix_s, ttft_s=entry.ttft_s,
-            latency_s=time.monotonic() - entry.arrived, prompt=entry.prompt,
+        self._rows.append(RecordedRow(
+            id=done.name, prefill=entry.prefill, decode=done.decode_counts, prompt=entry.prompt,
+            keep_prompt=self.config.prompts, prompt_tokens=done.prompt_tokens,
+            output_tokens=done.output_tokens, arrival_unix_s=entry.arrival_unix_s,
+            ttft_s=entry.ttft_s, latency_s=time.monotonic() - entry.arrived,
         ))
         if len(self._rows) >= self._handover_rows:
             self._hand_over()
@@ -174,6 +159,7 @@ class TrafficRecorder:
             "appended": counts.appended, "waiting": len(self._pending),
             "unwritten": len(self._rows),
             "dropped": {"writer_behind": counts.dropped_full, "wrong_shape": counts.dropped_shape,
+                        "malformed": counts.malformed,
                         "write_failed": counts.failed, "never_finished": self.forgotten,
                         "no_signature": self.no_signature},
             "errors": list(counts.errors),
@@ -187,14 +173,3 @@ class TrafficRecorder:
                 break
             pending.popitem(last=False)
             self.forgotten += 1
-
-    def _identity_of(self, _row: CaptureRecord) -> ModelIdentity:
-        assert self._identity is not None  # set before the first row is handed over
-        return self._identity
-
-    def _infer_identity(self, entry: _Pending, done: FinishedRequest) -> ModelIdentity:
-        num_layers, num_experts = entry.prefill.shape
-        picks = int(entry.prefill[0].sum())
-        top_k = round(picks / done.prompt_tokens) if done.prompt_tokens else 0
-        return ModelIdentity(self._model_name, num_layers, num_experts, max(top_k, 1),
-                             entry.moe_layers or ())
