@@ -159,7 +159,7 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
             argv += ["--attach-prefill", url]
         for i, url in enumerate(decode):
             argv += ["--attach-decode", url]
-            if name.endswith(("-pub", "-rec")):
+            if subscribes(name):
                 argv += ["--attach-batch", batches[i]]
         if name.endswith("-rec"):
             argv += ["--record", "--record-to", str(recorded(home, name))]
@@ -309,6 +309,60 @@ def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workloa
                  float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), cpu)
 
 
+def subscribes(router: str) -> bool:
+    return router.endswith(("-pub", "-rec"))
+
+
+def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[str, int]],
+                paced: bool, publish: bool, home: Path) -> list[Point]:
+    """Every point of ``routers`` on one set of fakes started for them."""
+    ctx = mp.get_context("spawn")
+    ports = free_ports(args.prefill + args.decode + 1)
+    batch_ports = free_ports(args.decode) if publish else None
+    prefill = [f"http://127.0.0.1:{p}" for p in ports[:args.prefill]]
+    decode = [f"http://127.0.0.1:{p}" for p in ports[args.prefill:-1]]
+    batches = [f"tcp://127.0.0.1:{p}" for p in batch_ports or []]
+    fakes = [ctx.Process(target=serve_fakes, daemon=True,
+                         args=(ports[:args.prefill], args.tokens, 0.0)),
+             ctx.Process(target=serve_fakes, daemon=True,
+                         args=(ports[args.prefill:-1], args.tokens,
+                               args.pace_ms / 1000 if paced else 0.0, batch_ports))]
+    points: list[Point] = []
+    for f in fakes:
+        f.start()
+    try:
+        for url in prefill + decode:
+            wait_healthy(url, 60, lambda: None, interval_s=0.1)
+        for router in routers:
+            port = ports[-1]
+            proc = start_router(router, port, prefill, decode, batches, home)
+            url = decode[0] if proc is None else f"http://127.0.0.1:{port}"
+            try:
+                if proc is not None:
+                    wait_healthy(url, 120, proc.poll, interval_s=0.2)
+                for workload, concurrency in work:
+                    name = f"{router}-{workload}-{concurrency}"
+                    spy = start_profile(proc, router, args.profile, name, args.seconds)
+                    point = measure(router, proc, url + "/v1/completions", workload,
+                                    concurrency, args.seconds, args.tokens)
+                    points.append(point)
+                    print(_row(point), flush=True)
+                    if spy is not None:
+                        spy.wait()
+                        print(top_functions(args.profile / f"{name}.txt"), flush=True)
+            finally:
+                stop(proc)
+            if router.endswith("-rec"):
+                from stages.signature.dataset import SignatureDataset
+
+                print(f"{router}: {len(SignatureDataset.open(recorded(home, router)))} rows"
+                      " recorded", flush=True)
+    finally:
+        for f in fakes:
+            f.kill()
+    return points
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
@@ -331,55 +385,18 @@ def main() -> int:
                          " out with --routers direct eldr-union rr")
 
     home = Path(tempfile.mkdtemp(prefix="eldr-bench-proxy-"))
-    ctx = mp.get_context("spawn")
     points: list[Point] = []
     plan = [("plain", 1)] + [(w, c) for w in args.workloads for c in args.concurrency]
+    # Paced and unpaced streams need differently behaving fakes, and only the routers that
+    # subscribe to the decode workers' batches get fakes that publish them: publishing a
+    # message per request costs a fake (GIL hand-offs to its publisher threads) what a vLLM
+    # API server does not pay (its engine core publishes), and would slow "direct" and every
+    # other router with it. One set of fakes for each.
     for paced in sorted({w == "paced" for w, _ in plan}):
-        # Paced and unpaced streams need differently behaving fakes: one set each.
-        ports = free_ports(args.prefill + args.decode + 1)
-        batch_ports = free_ports(args.decode)
-        prefill = [f"http://127.0.0.1:{p}" for p in ports[:args.prefill]]
-        decode = [f"http://127.0.0.1:{p}" for p in ports[args.prefill:-1]]
-        batches = [f"tcp://127.0.0.1:{p}" for p in batch_ports]
-        fakes = [ctx.Process(target=serve_fakes, daemon=True,
-                             args=(ports[:args.prefill], args.tokens, 0.0)),
-                 ctx.Process(target=serve_fakes, daemon=True,
-                             args=(ports[args.prefill:-1], args.tokens,
-                                   args.pace_ms / 1000 if paced else 0.0, batch_ports))]
-        for f in fakes:
-            f.start()
-        try:
-            for url in prefill + decode:
-                wait_healthy(url, 60, lambda: None, interval_s=0.1)
-            for router in args.routers:
-                port = ports[-1]
-                proc = start_router(router, port, prefill, decode, batches, home)
-                url = decode[0] if proc is None else f"http://127.0.0.1:{port}"
-                try:
-                    if proc is not None:
-                        wait_healthy(url, 120, proc.poll, interval_s=0.2)
-                    for workload, concurrency in plan:
-                        if (workload == "paced") != paced:
-                            continue
-                        name = f"{router}-{workload}-{concurrency}"
-                        spy = start_profile(proc, router, args.profile, name, args.seconds)
-                        point = measure(router, proc, url + "/v1/completions", workload,
-                                        concurrency, args.seconds, args.tokens)
-                        points.append(point)
-                        print(_row(point), flush=True)
-                        if spy is not None:
-                            spy.wait()
-                            print(top_functions(args.profile / f"{name}.txt"), flush=True)
-                finally:
-                    stop(proc)
-                if router.endswith("-rec"):
-                    from stages.signature.dataset import SignatureDataset
-
-                    print(f"{router}: {len(SignatureDataset.open(recorded(home, router)))} rows"
-                          " recorded", flush=True)
-        finally:
-            for f in fakes:
-                f.kill()
+        for publish in sorted({subscribes(r) for r in args.routers}):
+            routers = [r for r in args.routers if subscribes(r) == publish]
+            work = [(w, c) for w, c in plan if (w == "paced") == paced]
+            points += measure_set(args, routers, work, paced, publish, home)
     args.out.write_text(json.dumps([{**asdict(p), "rps": p.rps, "chunks_per_s": p.chunks_per_s,
                                      "cores": p.cores,
                                      "cpu_ms_per_request": p.cpu_ms_per_request}

@@ -187,7 +187,9 @@ def _hold(behavior: FakeBehavior, held: str, body: dict[str, Any]) -> None:
     behavior.publisher.add(held, request_name(held, kv), wire.entries(kv))
 
 
-def _finish(behavior: FakeBehavior, body: dict[str, Any], tokens: int, held: str) -> None:
+async def _finish(behavior: FakeBehavior, body: dict[str, Any], tokens: int, held: str) -> None:
+    # A coroutine: Starlette would run a plain function in its thread pool, a thread hop per
+    # request that cut a fake's requests/s to a third.
     _publish_finished(behavior, body, tokens)
     if behavior.publisher is not None:
         behavior.publisher.remove(held)
