@@ -30,8 +30,8 @@ $ELDR fit --k 2 --balanced
 # Prefill runs on tiny itself: its KV cache is tiny-wide's (the extra expert units are zero),
 # and it skips the zero units' compute, which would otherwise make one CPU core of prefill the
 # bottleneck and keep decode batches near one request.
-# eldr-union serves: in five demo runs it tied the best load balancer's TPOT p50 live
-# (0.99-1.00 on a quiet machine), and it is the policy that wins at scale in the simulations
+# eldr-union serves: live on two decode workers it stays within about the load balancers' own
+# spread (TPOT p50 0.96-1.09 of the best one in six demo runs), and it is the policy that wins at scale in the simulations
 # below without doing harm where prefill predicts nothing (README, "Which policy").
 $ELDR serve --model tiny-wide --prefill-model tiny --prefill 1 --decode 2 --port 8000 \
   --policy eldr-union &
