@@ -79,6 +79,7 @@ class Point:
     latency_p50_ms: float
     latency_p99_ms: float
     router_cpu_s: float
+    workers_cpu_s: float  # the fake workers' (prefill and decode): what a router makes them do
 
     @property
     def rps(self) -> float:
@@ -95,6 +96,10 @@ class Point:
     @property
     def cpu_ms_per_request(self) -> float:
         return 1000 * self.router_cpu_s / max(1, self.requests)
+
+    @property
+    def workers_cpu_ms_per_request(self) -> float:
+        return 1000 * self.workers_cpu_s / max(1, self.requests)
 
 
 # -- fake workers -------------------------------------------------------------------------
@@ -289,24 +294,26 @@ def _tool(name: str) -> str:
 
 
 def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workload: str,
-            concurrency: int, seconds: float, tokens: int) -> Point:
+            concurrency: int, seconds: float, tokens: int, workers: list[int]) -> Point:
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
     gen = ctx.Process(target=generate, args=(url, workload, concurrency, seconds, tokens,
                                              queue))
     cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+    workers0 = sum(cpu_seconds(pid) for pid in workers)
     t0 = time.monotonic()
     gen.start()
     requests, failed, chunks, latencies = queue.get(timeout=seconds + 900)
     wall = time.monotonic() - t0
     gen.join()
     cpu = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
+    workers_cpu = sum(cpu_seconds(pid) for pid in workers) - workers0
     lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
     # The generator's start-up (a fresh interpreter) is in ``wall`` but sends nothing; the
     # requests' window is ``seconds`` plus the tail of the last ones.
     window = min(wall, seconds + float(np.nanmax(lat)) / 1000)
     return Point(router, workload, concurrency, window, requests, failed, chunks,
-                 float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), cpu)
+                 float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), cpu, workers_cpu)
 
 
 def subscribes(router: str) -> bool:
@@ -344,7 +351,8 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     name = f"{router}-{workload}-{concurrency}"
                     spy = start_profile(proc, router, args.profile, name, args.seconds)
                     point = measure(router, proc, url + "/v1/completions", workload,
-                                    concurrency, args.seconds, args.tokens)
+                                    concurrency, args.seconds, args.tokens,
+                                    [f.pid for f in fakes if f.pid is not None])
                     points.append(point)
                     print(_row(point), flush=True)
                     if spy is not None:
@@ -399,7 +407,9 @@ def main() -> int:
             points += measure_set(args, routers, work, paced, publish, home)
     args.out.write_text(json.dumps([{**asdict(p), "rps": p.rps, "chunks_per_s": p.chunks_per_s,
                                      "cores": p.cores,
-                                     "cpu_ms_per_request": p.cpu_ms_per_request}
+                                     "cpu_ms_per_request": p.cpu_ms_per_request,
+                                     "workers_cpu_ms_per_request":
+                                         p.workers_cpu_ms_per_request}
                                     for p in points], indent=1))
     print(f"\n{_header()}")
     for p in sorted(points, key=lambda p: (p.workload, p.concurrency, ROUTERS.index(p.router))):
@@ -410,13 +420,15 @@ def main() -> int:
 
 def _header() -> str:
     return (f"{'workload':>8} {'conc':>5} {'router':>12} {'req/s':>8} {'chunks/s':>9} "
-            f"{'p50 ms':>8} {'p99 ms':>8} {'failed':>6} {'cores':>6} {'ms CPU/req':>10}")
+            f"{'p50 ms':>8} {'p99 ms':>8} {'failed':>6} {'cores':>6} {'ms CPU/req':>10}"
+            f" {'workers ms/req':>14}")
 
 
 def _row(p: Point) -> str:
     return (f"{p.workload:>8} {p.concurrency:>5} {p.router:>12} {p.rps:>8.0f} "
             f"{p.chunks_per_s:>9.0f} {p.latency_p50_ms:>8.2f} {p.latency_p99_ms:>8.1f} "
-            f"{p.failed:>6} {p.cores:>6.2f} {p.cpu_ms_per_request:>10.2f}")
+            f"{p.failed:>6} {p.cores:>6.2f} {p.cpu_ms_per_request:>10.2f}"
+            f" {p.workers_cpu_ms_per_request:>14.3f}")
 
 
 if __name__ == "__main__":
