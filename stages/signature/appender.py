@@ -69,12 +69,17 @@ class _Appended:
 _APPENDING = threading.Lock()
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(*warm: object) -> None:
     """The writer's initializer: a thread that ends the writer once its parent is gone. A pool
     worker blocked on its call queue never sees a killed parent's pipe close (it holds both
-    ends), so without it a kill -9 of the proxy would leave the writer behind."""
+    ends), so without it a kill -9 of the proxy would leave the writer behind.
+
+    ``warm``: the row builder and identity function, unused here: unpickling them imports their
+    modules now, at the writer's normal priority."""
     # Recording is background work: where cores are short it yields them to the serving
-    # processes beside it (the proxy, the engines) instead of taking its share.
+    # processes beside it (the proxy, the engines) instead of taking its share. Only after the
+    # imports: a writer niced from its first instruction took minutes to start on a saturated
+    # machine.
     os.nice(19)
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -129,11 +134,11 @@ def _append_now(path: Path, vllm_version: str, build: RowBuilder, identity: Iden
         return _Appended(0, 0, len(refused), str(exc))
 
 
-def _start_writer() -> ProcessPoolExecutor:
+def _start_writer(build: RowBuilder, identity: IdentityOf) -> ProcessPoolExecutor:
     # spawn: the live process has threads (event loop, ZMQ), which fork would copy half-way.
     # One worker keeps the appends in the order they were handed over.
     return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_exit_with_parent)
+                               initializer=_exit_with_parent, initargs=(build, identity))
 
 
 class DatasetAppender:
@@ -152,7 +157,7 @@ class DatasetAppender:
         self._store_identity: ModelIdentity | None = None
         if self.path.exists():  # opened now: a store that is not a dataset fails the start
             self._store_identity = SignatureDataset.open(self.path, writable=True).identity
-        self._writer = _start_writer()
+        self._writer = _start_writer(build, identity)
 
     @property
     def store_identity(self) -> ModelIdentity | None:
@@ -173,7 +178,7 @@ class DatasetAppender:
             future = self._writer.submit(*job)
         except BrokenProcessPool as exc:  # the writer died (killed, out of memory): a new one
             log.error("recording: the writer process died (%s); starting another", exc)
-            self._writer = _start_writer()
+            self._writer = _start_writer(self._build, self._identity)
             future = self._writer.submit(*job)
         future.add_done_callback(partial(self._appended, rows=len(rows)))
         return True
