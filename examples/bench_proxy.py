@@ -337,6 +337,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
     points: list[Point] = []
     for f in fakes:
         f.start()
+    fake_pids = [f.pid for f in fakes if f.pid is not None]
     try:
         for url in prefill + decode:
             wait_healthy(url, 60, lambda: None, interval_s=0.1)
@@ -351,8 +352,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     name = f"{router}-{workload}-{concurrency}"
                     spy = start_profile(proc, router, args.profile, name, args.seconds)
                     point = measure(router, proc, url + "/v1/completions", workload,
-                                    concurrency, args.seconds, args.tokens,
-                                    [f.pid for f in fakes if f.pid is not None])
+                                    concurrency, args.seconds, args.tokens, fake_pids)
                     points.append(point)
                     print(_row(point), flush=True)
                     if spy is not None:

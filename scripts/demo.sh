@@ -31,8 +31,9 @@ $ELDR fit --k 2 --balanced
 # and it skips the zero units' compute, which would otherwise make one CPU core of prefill the
 # bottleneck and keep decode batches near one request.
 # eldr-union serves: live on two decode workers it stays within about the load balancers' own
-# spread (TPOT p50 0.96-1.09 of the best one in six demo runs), and it is the policy that wins at scale in the simulations
-# below without doing harm where prefill predicts nothing (README, "Which policy").
+# spread (TPOT p50 0.96-1.09 of the best one in six demo runs), and it is the policy that wins
+# at scale in the simulations below without doing harm where prefill predicts nothing (README,
+# "Which policy").
 $ELDR serve --model tiny-wide --prefill-model tiny --prefill 1 --decode 2 --port 8000 \
   --policy eldr-union &
 SERVE_PID=$!

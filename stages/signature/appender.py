@@ -157,7 +157,7 @@ class DatasetAppender:
         self._store_identity: ModelIdentity | None = None
         if self.path.exists():  # opened now: a store that is not a dataset fails the start
             self._store_identity = SignatureDataset.open(self.path, writable=True).identity
-        self._writer = _start_writer(build, identity)
+        self._writer = _start_writer(self._build, self._identity)
 
     @property
     def store_identity(self) -> ModelIdentity | None:
