@@ -1,7 +1,8 @@
 """Router capacity: eldr's proxy against vllm-router (the Rust router, PD mode) on the same fake
 vLLM workers, in the same run.
 
-Processes: fake prefill workers and fake decode workers (``tests.fakes.worker``: a prefill
+Processes: fake prefill workers and fake decode workers (``tests.fakes.worker``'s answers on
+a bare server, ``tests.fakes.lean_worker``, that leaves the routers the CPU: a prefill
 answers with ``kv_transfer_params`` carrying a signature, a decode answers JSON or streams SSE
 as vLLM does), each router under test started as users start it (``eldr serve --attach-*``,
 ``vllm-router --vllm-pd-disaggregation``), and a load generator in its own process. "direct"
@@ -38,13 +39,13 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -53,7 +54,8 @@ from stages.procs.health import wait_healthy
 from stages.serve.cluster.ports import free_ports
 
 try:
-    from tests.fakes.worker import FakeBehavior, create_fake_worker
+    from tests.fakes import lean_worker
+    from tests.fakes.worker import FakeBehavior
 except ModuleNotFoundError as exc:
     if exc.name != "tests":
         raise
@@ -108,34 +110,18 @@ def serve_fakes(ports: list[int], tokens: int, pace_s: float,
                 batch_ports: list[int] | None = None) -> None:
     """One process, one fake vLLM server on every port (prefill or decode by the request).
     With ``batch_ports`` each is a decode worker publishing its batch there, as eldr's
-    connector does (and the decode counts of requests a proxy records)."""
-    import uvicorn
-
+    connector does (and the decode counts of requests a proxy records). The fakes answer as
+    tests.fakes.worker's do, on a bare server (tests.fakes.lean_worker) that leaves the
+    router under test the CPU that Starlette and uvicorn would take."""
     from stages.capture.batch_publisher import BatchPublisher
 
-    def fake(publish: int | None) -> object:
+    def fake(publish: int | None) -> FakeBehavior:
         publisher = None if publish is None else BatchPublisher(f"tcp://127.0.0.1:{publish}")
-        return create_fake_worker(FakeBehavior("bench", tokens=tokens, token_delay_s=pace_s,
-                                               record=False, publisher=publisher))
+        return FakeBehavior("bench", tokens=tokens, token_delay_s=pace_s, record=False,
+                            publisher=publisher)
 
-    apps = {port: fake(batch_ports[i] if batch_ports else None) for i, port in enumerate(ports)}
-
-    async def app(scope: dict, receive: object, send: object) -> None:
-        if scope["type"] == "lifespan":  # the fakes need no start-up
-            await receive()  # type: ignore[operator]
-            await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
-            await receive()  # type: ignore[operator]
-            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
-            return
-        await apps[scope["server"][1]](scope, receive, send)  # type: ignore[operator]
-
-    socks = []
-    for port in ports:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))
-        socks.append(s)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=socks)
+    behaviors = [fake(batch_ports[i] if batch_ports else None) for i in range(len(ports))]
+    lean_worker.serve([lean_worker.listening_socket(port) for port in ports], behaviors)
 
 
 # -- routers ------------------------------------------------------------------------------
@@ -213,7 +199,9 @@ def generate(url: str, workload: str, concurrency: int, seconds: float, tokens: 
 
 async def _generate(url: str, workload: str, concurrency: int, seconds: float,
                     tokens: int) -> tuple[int, int, int, list[float]]:
-    import aiohttp
+    # eldr's own upstream client: a fraction of aiohttp's CPU per request, which the router
+    # under test would otherwise lose to the load generator.
+    from stages.serve.proxy.http1 import Http1Client, Timeouts, UpstreamError
 
     stream = workload != "plain"
     bodies = [json.dumps({"model": "fake-model", "prompt": f"domain={d} benchmark prompt",
@@ -221,34 +209,40 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
     latencies: list[float] = []
     counts = [0, 0]  # failed, chunks
     stop_at = time.monotonic() + seconds
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=600)
+    parts = urlsplit(url)
+    origin, path = f"{parts.scheme}://{parts.netloc}", parts.path
+    headers = {"content-type": "application/json"}
+    timeouts = Timeouts(read_s=600.0, connect_s=600.0, acquire_s=600.0)
 
     async def client(i: int) -> None:
         while time.monotonic() < stop_at:
             t0 = time.perf_counter()
+            r = None
             try:
-                async with session.post(url, data=bodies[i % 16],
-                                        headers={"content-type": "application/json"}) as r:
-                    if stream:
-                        tail = b""
-                        async for piece in r.content.iter_any():
-                            seen = tail + piece
-                            counts[1] += seen.count(b"data: ") - tail.count(b"data: ")
-                            tail = seen[-5:]
-                    else:
-                        await r.read()
-                        counts[1] += 1
-                    ok = r.status == 200
-            except aiohttp.ClientError:
+                r = await http.post(origin, path, bodies[i % 16], headers, timeouts)
+                if stream:
+                    tail = b""
+                    async for piece in r.iter_chunks():
+                        seen = tail + piece
+                        counts[1] += seen.count(b"data: ") - tail.count(b"data: ")
+                        tail = seen[-5:]
+                else:
+                    await r.read()
+                    counts[1] += 1
+                ok = r.status == 200
+            except UpstreamError:
                 ok = False
+            finally:
+                if r is not None:
+                    r.release()
             if ok:
                 latencies.append(time.perf_counter() - t0)
             else:
                 counts[0] += 1
             i += 1
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    # Keep-alive below the routers' own (uvicorn's 5 s default at the least).
+    async with Http1Client(max_connections=concurrency, keepalive_s=4.0) as http:
         await asyncio.gather(*(client(i) for i in range(concurrency)))
     return len(latencies), counts[0], counts[1], latencies
 
