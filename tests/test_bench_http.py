@@ -415,8 +415,10 @@ def test_engine_cost_can_skip_the_warm_up(tmp_path: Path) -> None:
     fake = FakeEngine()
     with serve(fake.app) as url:
         result = measure_engine_cost(EngineCostConfig(
+            # 16 tokens: a batch's two requests overlap for many steps even when a loaded
+            # machine starts the second late (with 4, they ran one after the other).
             worker_urls=(url,), prompts_path=prompts, num_layers=LAYERS, batch_sizes=(1, 2),
-            domain_mixes=(1, 0), max_tokens=4, repeats=1, prefill_probes=0, settle_s=0.0,
+            domain_mixes=(1, 0), max_tokens=16, repeats=1, prefill_probes=0, settle_s=0.0,
             warmup=False,
         ))
     assert len(result.measurements) == 4

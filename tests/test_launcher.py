@@ -272,12 +272,27 @@ def test_a_follower_starts_once_its_leader_is_ready(monkeypatch, tmp_path) -> No
     import stages.engine as engine
     import stages.serve.cluster.launcher as launcher
 
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    ports = free_range(3)
+    prefill, first, second = ports, ports + 1, ports + 2
+    # Stand-in servers that order themselves by marker files, not by clocks (a loaded machine
+    # may take seconds to start Python): each leaves "started-PORT"; prefill and the first
+    # decode worker answer /health only once the other has started, so a launcher that made
+    # either wait for the other to be up never gets both up; the follower notes whether its
+    # leader was up when it started.
+    waits = {prefill: first, first: prefill}
+
     def command(spec: engine.ServerSpec) -> tuple[list[str], dict[str, str]]:
-        # A stand-in server: notes when it started, answers /health after 1 s, and notes when.
+        other = waits.get(spec.port)
         code = (
-            "import http.server, time\n"
-            f"print('started', time.time(), flush=True); time.sleep(1)\n"
-            "print('up', time.time(), flush=True)\n"
+            "import http.server, pathlib, time\n"
+            f"m = pathlib.Path({str(marks)!r})\n"
+            f"leader_up = (m / 'up-{first}').exists()\n"
+            f"(m / 'started-{spec.port}').write_text(str(leader_up))\n"
+            f"while {other is not None} and not (m / 'started-{other}').exists():\n"
+            "    time.sleep(0.05)\n"
+            f"(m / 'up-{spec.port}').touch()\n"
             "class H(http.server.BaseHTTPRequestHandler):\n"
             "    def do_GET(self):\n"
             "        self.send_response(200); self.end_headers()\n"
@@ -289,19 +304,15 @@ def test_a_follower_starts_once_its_leader_is_ready(monkeypatch, tmp_path) -> No
     monkeypatch.setattr(engine, "server_command", command)
     monkeypatch.setattr(launcher, "on_cpu", lambda: True)
     cluster = launcher.Cluster(launcher.ClusterSpec(
-        model="/m", served_name="m", prefill=1, decode=2, base_port=free_range(3),
-        log_dir=tmp_path))
+        model="/m", served_name="m", prefill=1, decode=2, base_port=prefill, log_dir=tmp_path))
     ready: list[int] = []
     try:
         cluster.start(on_ready=lambda server: ready.append(server.spec.port), timeout_s=60)
-        logs = [s.log_path.read_text().split() for s in cluster.servers]
-        starts, ups = [float(w[1]) for w in logs], [float(w[3]) for w in logs]
     finally:
         cluster.stop()
     assert [s.spec for s in cluster.servers] == cluster.specs
-    assert ready[-1] == cluster.specs[2].port  # the follower is ready last
-    # Prefill and the first decode worker start together (neither waits for the other to be
-    # up); the second decode worker only once the first was up. Ordered by the stand-ins' own
-    # clocks, not by a duration: a loaded machine may take seconds to start Python.
-    assert starts[1] < ups[0] and starts[0] < ups[1]
-    assert starts[2] >= ups[1]
+    assert [s.port for s in cluster.specs] == [prefill, first, second]
+    assert ready[-1] == second  # the follower is ready last
+    # Both up: neither of prefill and the first decode worker waited for the other. The
+    # follower started only once its leader was up.
+    assert (marks / f"started-{second}").read_text() == "True"
