@@ -2,7 +2,8 @@
 
 Run by ``test_architectures_real.py`` as ``python -m tests.arch_capture MODE ROOT [FAMILY...]``
 (default: every family): one engine
-at a time, each in its own vLLM processes, per-step expert ids traced to ``ROOT/<family>/trace``.
+at a time (in this process or its own, as ``VLLM_ENABLE_V1_MULTIPROCESSING`` says), per-step
+expert ids traced to ``ROOT/<family>/trace``.
 A family that fails is recorded in ``ROOT/results.json`` with its error, and the next one runs.
 """
 
