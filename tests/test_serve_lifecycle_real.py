@@ -3,7 +3,9 @@ model, and SIGTERM leaving no process behind.
 
 One `eldr serve` process serves the module: decode runs a widened tiny (zero expert units,
 routing-identical) over two tensor-parallel ranks (on CPU both on the decode worker's core),
-prefill runs tiny itself (--prefill-model), as the demo does.
+prefill runs tiny itself (--prefill-model), as the demo does. The workers run eager: the
+hand-off between two models and the shutdown are under test here, while compiled recording
+over two tensor-parallel ranks is `test_capture_real.py`'s (three compilations saved).
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "eldr_cli", "serve", "--model", wide, "--prefill-model", "tiny",
          "--policy", "eldr-union", "--prefill", "1", "--decode", "1", "--decode-tp", "2",
-         "--port", str(port),
+         "--enforce-eager", "--port", str(port),
          "--worker-port", str(worker_port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
