@@ -75,6 +75,15 @@ def home_with(calibration: Path, home: Path) -> Path:
     return home
 
 
+@pytest.fixture(scope="session")
+def plain_reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Plain vLLM's greedy outputs for ``tests.plain_reference.PROMPTS``; its engine is gone
+    once they are in (tests.plain_reference)."""
+    from tests.plain_reference import plain_outputs
+
+    return plain_outputs(tiny_model, free_port(), tmp_path_factory.mktemp("plain-reference"))
+
+
 @pytest.fixture(scope="module")
 def plain_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One vLLM server on the tiny model with eldr's connector (signatures, no PD). Eager: it

@@ -4,7 +4,8 @@ an engine that does record refuses, at start and with the reason, what it cannot
 eldr's plugin is loaded by every vLLM process of the environment. Here the release check is
 made to fail (a ``sitecustomize`` on the servers' PYTHONPATH narrows eldr's tested releases to
 one that does not exist, in every process vLLM spawns): a plain engine must still start and
-serve, and an engine with eldr's connector must refuse with the release named.
+serve (the run's plain reference engine, tests.plain_reference, is that engine), and an
+engine with eldr's connector must refuse with the release named.
 """
 
 from __future__ import annotations
@@ -12,43 +13,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from stages.engine import ServerSpec, VllmServer
 from stages.errors import EldrError
 from tests.conftest import free_port, requires_vllm
+from tests.plain_reference import untested_release_env
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def untested_release_env(tmp_path: Path) -> dict[str, str]:
-    shim = tmp_path / "shim"
-    shim.mkdir(exist_ok=True)
-    (shim / "sitecustomize.py").write_text(
-        "import stages.vllm_compat as compat\ncompat.TESTED_MINORS = ('0.0',)\n"
-    )
-    return {"PYTHONPATH": f"{shim}:{REPO}"}
-
-
-def start(spec: ServerSpec, logs: Path) -> VllmServer:
-    server = VllmServer(spec, logs)
-    try:
-        server.wait_ready(timeout_s=240)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
 
 @pytest.fixture(scope="module")
 def refusing(tiny_model: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
     """The engines that must refuse, started together when the module starts: each takes most
-    of a minute to reach its refusal, time they spend side by side and beside the plain engine
-    of the first test."""
+    of a minute to reach its refusal, time they spend side by side and beside the plain
+    reference engine the first test asks for."""
     from stages.engine import on_cpu
 
     root = tmp_path_factory.mktemp("guards")
@@ -74,19 +53,13 @@ def refusal_log(server: VllmServer) -> str:
 
 
 def test_a_plain_engine_serves_where_eldr_refuses_the_release(
-    tiny_model: Path, tmp_path: Path, refusing: dict[str, VllmServer]
+    refusing: dict[str, VllmServer], request: pytest.FixtureRequest
 ) -> None:
-    env = untested_release_env(tmp_path)
-    plain = start(ServerSpec(model=str(tiny_model), port=free_port(), served_name="tiny",
-                             eldr_plugin=False, enforce_eager=True, extra_env=env),
-                  tmp_path / "plain")
-    try:
-        response = httpx.post(f"{plain.url}/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0})
-        assert response.status_code == 200
-        assert response.json()["choices"][0]["text"]
-    finally:
-        plain.stop()
+    # The run's plain reference engine (tests.plain_reference) starts in the environment that
+    # makes eldr refuse this release. Asked for here, after the refusing engines started, so
+    # they boot beside it.
+    reference: dict[str, str] = request.getfixturevalue("plain_reference")
+    assert reference and all(reference.values()), reference
     # The same environment, the same model, eldr's connector configured: refused at start.
     assert "eldr's plugin is tested on vLLM 0.0.x only" in refusal_log(refusing["release"])
 

@@ -27,21 +27,16 @@ import pytest
 
 from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
-from tests.conftest import free_port, home_with, requires_vllm
+from tests.conftest import home_with, requires_vllm
 from tests.fakes.worker import BackgroundServer
+from tests.plain_reference import MAX_TOKENS, PROMPTS
 from tests.proc_probe import api_server, eldr_ok, running_serve
 from tests.test_proxy_errors import CASES, LIMIT
 from tests.vllm_parity import BATCHES, MORE_CASES, answer, status_of
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
-PROMPTS = [
-    "def merge_sorted(a, b):\n    out = []\n    i = j = 0\n",
-    "Solve: Maria buys 3 boxes of 12 pencils and gives away 7. How many pencils are left?",
-    "Continuez ce texte : La rivière traverse le village avant de rejoindre la mer.",
-]
 POLICIES = ["eldr", "eldr-bl", "rr", "jsq", "random", "p2c"]
-MAX_TOKENS = 12
 FUZZ_EXAMPLES = 80  # per route: about a minute in all on the live workers
 
 
@@ -82,20 +77,12 @@ def _complete(url: str, prompt: str, stream: bool = False, timeout: float = 120)
 
 @pytest.fixture(scope="module")
 def deployment(calibration: Path, tmp_path_factory: pytest.TempPathFactory,
-               tiny_model: Path) -> Iterator[Deployment]:
-    from stages.engine import ServerSpec, VllmServer
-
+               plain_reference: dict[str, str]) -> Iterator[Deployment]:
     home = home_with(calibration, tmp_path_factory.mktemp("serve"))
     eldr_ok("fit", "--k", "20", "--balanced", home=home)
-    # The plain server answers first and is gone before the workers start: at most three
+    # plain_reference's engine answered and is gone before the workers start: at most three
     # vLLM servers at a time on a small machine.
-    plain = VllmServer(ServerSpec(model=str(tiny_model), port=free_port(), served_name="tiny",
-                                  eldr_plugin=False), home / "plain-logs")
-    try:
-        plain.wait_ready(timeout_s=300)
-        reference = {p: _complete(plain.url, p) for p in PROMPTS}
-    finally:
-        plain.stop()
+    reference = dict(plain_reference)
     with running_serve([], home) as served:
         state = httpx.get(f"{served.url}/admin/state", timeout=10).json()
         yield Deployment(
