@@ -12,5 +12,8 @@ if [ "$ENGINE" = cpu ]; then
   # ("operator torchvision::nms does not exist") and text models do not need them.
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+# Where PYTHONDONTWRITEBYTECODE is set, every process would compile eldr's modules again (every
+# vLLM process loads eldr's plugin); compiled once here, they are read by all.
+.venv/bin/python -m compileall -q eldr_cli stages tests examples >/dev/null
 .venv/bin/python -c "import vllm, stages.capture.connector" >/dev/null
 echo "eldr installed in .venv ($ENGINE engine): .venv/bin/eldr --help"
