@@ -29,7 +29,7 @@ from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
 from tests.conftest import home_with, requires_vllm
 from tests.fakes.worker import BackgroundServer
-from tests.plain_reference import MAX_TOKENS, PROMPTS
+from tests.plain_reference import MAX_TOKENS, PROMPTS, complete
 from tests.proc_probe import api_server, eldr_ok, running_serve
 from tests.test_proxy_errors import CASES, LIMIT
 from tests.vllm_parity import BATCHES, MORE_CASES, answer, status_of
@@ -55,15 +55,13 @@ class Deployment:
         return self.home / "signatures.zarr"
 
 
-def _complete(url: str, prompt: str, stream: bool = False, timeout: float = 120) -> str:
+def _complete(url: str, prompt: str, stream: bool = False) -> str:
+    if not stream:  # the very request the plain reference engine was asked
+        return complete(url, prompt)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": stream}
-    if not stream:
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
-        response.raise_for_status()
-        return response.json()["choices"][0]["text"]
+            "stream": True}
     text = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]

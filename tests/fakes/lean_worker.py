@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import httptools
 import orjson
@@ -35,6 +35,8 @@ from tests.fakes.worker import (
     prompt_text,
 )
 
+K = TypeVar("K")
+V = TypeVar("V")
 _CACHE_MAX = 4096  # entries per cache; cleared when full (the bench sends 16 prompts)
 _JSON = b"application/json"
 _DONE = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"  # the last event as its own chunk, then the end
@@ -45,6 +47,16 @@ _REASONS = {200: b"OK", 404: b"Not Found", 500: b"Internal Server Error",
 
 def _frame(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
+    """``cache[key]``, made on a miss; the cache is emptied when it holds ``_CACHE_MAX``."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= _CACHE_MAX:
+            cache.clear()
+        value = cache[key] = make()
+    return value
 
 
 class LeanWorker:
@@ -78,11 +90,7 @@ class LeanWorker:
     def prefill(self, body: dict[str, Any], text: str, chat: bool) -> bytes:
         b = self.behavior
         b.handed_off += 1
-        kv = self._kv.get(text)
-        if kv is None:
-            if len(self._kv) >= _CACHE_MAX:
-                self._kv.clear()
-            kv = self._kv[text] = _kv_transfer_params(b, body)
+        kv = _cached(self._kv, text, lambda: _kv_transfer_params(b, body))
         data = _completion(b, body, chat, 1)
         data["kv_transfer_params"] = {**kv, "remote_block_ids": [b.handed_off, 1, 2]}
         return orjson.dumps(data)
@@ -91,23 +99,12 @@ class LeanWorker:
         model = body.get("model", "fake")
         if not isinstance(model, str):
             return orjson.dumps(_completion(self.behavior, body, chat, n))
-        key = (chat, model, n)
-        data = self._json.get(key)
-        if data is None:
-            if len(self._json) >= _CACHE_MAX:
-                self._json.clear()
-            data = self._json[key] = orjson.dumps(_completion(self.behavior, body, chat, n))
-        return data
+        return _cached(self._json, (chat, model, n),
+                       lambda: orjson.dumps(_completion(self.behavior, body, chat, n)))
 
     def frames(self, chat: bool, n: int) -> list[bytes]:
-        key = (chat, n)
-        frames = self._frames.get(key)
-        if frames is None:
-            if len(self._frames) >= _CACHE_MAX:
-                self._frames.clear()
-            frames = self._frames[key] = [_frame(_chunk(self.behavior, chat, i))
-                                          for i in range(n)]
-        return frames
+        return _cached(self._frames, (chat, n),
+                       lambda: [_frame(_chunk(self.behavior, chat, i)) for i in range(n)])
 
 
 class _Connection(asyncio.Protocol):
