@@ -33,10 +33,10 @@ def untested_release_env(root: Path) -> dict[str, str]:
     return {"PYTHONPATH": f"{shim}:{REPO}"}
 
 
-def complete(url: str, prompt: str) -> str:
+def complete(url: str, prompt: str, timeout: float = 120) -> str:
     """The greedy completion of ``prompt`` (``MAX_TOKENS`` tokens) as ``url`` answers it."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
     response.raise_for_status()
     return str(response.json()["choices"][0]["text"])
 

@@ -55,13 +55,13 @@ class Deployment:
         return self.home / "signatures.zarr"
 
 
-def _complete(url: str, prompt: str, stream: bool = False) -> str:
+def _complete(url: str, prompt: str, stream: bool = False, timeout: float = 120) -> str:
     if not stream:  # the very request the plain reference engine was asked
-        return complete(url, prompt)
+        return complete(url, prompt, timeout)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": True}
     text = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
         response.raise_for_status()
         assert response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
