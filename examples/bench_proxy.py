@@ -82,6 +82,9 @@ class Point:
     latency_p99_ms: float
     router_cpu_s: float
     workers_cpu_s: float  # the fake workers' (prefill and decode): what a router makes them do
+    # The router's CPU spent in the kernel (sockets): the same for any router that sends the
+    # same bytes in as many writes, so what is left is what its own code costs.
+    router_sys_s: float = 0.0
 
     @property
     def rps(self) -> float:
@@ -98,6 +101,14 @@ class Point:
     @property
     def cpu_ms_per_request(self) -> float:
         return 1000 * self.router_cpu_s / max(1, self.requests)
+
+    @property
+    def cpu_us_per_chunk(self) -> float:
+        return 1e6 * self.router_cpu_s / max(1, self.chunks)
+
+    @property
+    def sys_share(self) -> float:
+        return self.router_sys_s / self.router_cpu_s if self.router_cpu_s else 0.0
 
     @property
     def workers_cpu_ms_per_request(self) -> float:
@@ -174,8 +185,8 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait()
 
 
-def cpu_seconds(root: int) -> float:
-    """User + system CPU of ``root`` and every process below it."""
+def cpu_seconds(root: int, system_only: bool = False) -> float:
+    """User + system CPU (or system alone) of ``root`` and every process below it."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in [root, *(i.pid for i in linux.descendants(root))]:
@@ -183,7 +194,7 @@ def cpu_seconds(root: int) -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick
+        total += (int(fields[12]) + (0 if system_only else int(fields[11]))) / tick
     return total
 
 
@@ -294,6 +305,7 @@ def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workloa
     gen = ctx.Process(target=generate, args=(url, workload, concurrency, seconds, tokens,
                                              queue))
     cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+    sys0 = cpu_seconds(proc.pid, system_only=True) if proc else 0.0
     workers0 = sum(cpu_seconds(pid) for pid in workers)
     t0 = time.monotonic()
     gen.start()
@@ -301,13 +313,15 @@ def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workloa
     wall = time.monotonic() - t0
     gen.join()
     cpu = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
+    sys_cpu = (cpu_seconds(proc.pid, system_only=True) - sys0) if proc else 0.0
     workers_cpu = sum(cpu_seconds(pid) for pid in workers) - workers0
     lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
     # The generator's start-up (a fresh interpreter) is in ``wall`` but sends nothing; the
     # requests' window is ``seconds`` plus the tail of the last ones.
     window = min(wall, seconds + float(np.nanmax(lat)) / 1000)
     return Point(router, workload, concurrency, window, requests, failed, chunks,
-                 float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), cpu, workers_cpu)
+                 float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), cpu, workers_cpu,
+                 sys_cpu)
 
 
 def subscribes(router: str) -> bool:
@@ -402,6 +416,8 @@ def main() -> int:
     args.out.write_text(json.dumps([{**asdict(p), "rps": p.rps, "chunks_per_s": p.chunks_per_s,
                                      "cores": p.cores,
                                      "cpu_ms_per_request": p.cpu_ms_per_request,
+                                     "cpu_us_per_chunk": p.cpu_us_per_chunk,
+                                     "sys_share": p.sys_share,
                                      "workers_cpu_ms_per_request":
                                          p.workers_cpu_ms_per_request}
                                     for p in points], indent=1))
@@ -415,13 +431,14 @@ def main() -> int:
 def _header() -> str:
     return (f"{'workload':>8} {'conc':>5} {'router':>12} {'req/s':>8} {'chunks/s':>9} "
             f"{'p50 ms':>8} {'p99 ms':>8} {'failed':>6} {'cores':>6} {'ms CPU/req':>10}"
-            f" {'workers ms/req':>14}")
+            f" {'us CPU/chunk':>12} {'kernel':>6} {'workers ms/req':>14}")
 
 
 def _row(p: Point) -> str:
     return (f"{p.workload:>8} {p.concurrency:>5} {p.router:>12} {p.rps:>8.0f} "
             f"{p.chunks_per_s:>9.0f} {p.latency_p50_ms:>8.2f} {p.latency_p99_ms:>8.1f} "
             f"{p.failed:>6} {p.cores:>6.2f} {p.cpu_ms_per_request:>10.2f}"
+            f" {p.cpu_us_per_chunk:>12.1f} {p.sys_share:>6.0%}"
             f" {p.workers_cpu_ms_per_request:>14.3f}")
 
 

@@ -23,6 +23,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 from threadpoolctl import threadpool_limits
 
 from stages.serve.proxy import admin, endpoints
@@ -35,7 +36,7 @@ from stages.serve.proxy.metrics import RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, balanced_fit
 from stages.serve.proxy.published_batches import follow_batches
 from stages.serve.proxy.refit_task import refit_loop
-from stages.serve.proxy.responses import InternalErrorMiddleware, http_error
+from stages.serve.proxy.responses import SERVER_SEND, InternalErrorMiddleware, http_error
 from stages.serve.proxy.state import ProxyState, build_state
 from stages.serve.proxy.upstream import open_leg_client, open_session
 
@@ -98,13 +99,22 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                 await asyncio.to_thread(state.recorder.close)  # every row handed over, written
 
 
+class ProxyApp(Starlette):
+    """Starlette that leaves the server's ``send`` in each request's scope, for the relayed
+    streams' body (``RelayResponse``)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     config: ProxyConfig,
     *,
     artifact_loader: ArtifactLoader = load_from_store,
     refit_fn: FitFn = balanced_fit,
     restarts: RestartCounts = no_restarts,
-) -> Starlette:
+) -> ProxyApp:
     """The proxy app. Loads the artifact now, so a bad config fails before serving.
 
     ``artifact_loader`` and ``refit_fn`` exist for tests and the simulator; the defaults read
@@ -114,7 +124,7 @@ def create_app(
     state = build_state(
         config, artifact_loader=artifact_loader, refit_fn=refit_fn, restarts=restarts
     )
-    app = Starlette(
+    app = ProxyApp(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),

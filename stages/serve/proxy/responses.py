@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stages.serve.proxy.disconnect import unless_client_leaves
+
 log = logging.getLogger(__name__)
 
 
@@ -120,11 +122,21 @@ def json_response(data: object, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-class RelayResponse(StreamingResponse):
-    """A streaming response that runs ``on_close`` however the stream ends.
+# Where the app leaves the server's own ``send`` in the scope (``ProxyApp``): a relayed stream
+# writes its body there, past the middlewares' wrappers (below).
+SERVER_SEND = "eldr.server_send"
 
-    Starlette cancels a stream when the client disconnects and never closes the body iterator,
-    so without this the in-flight counter and the upstream connection would leak.
+
+class RelayResponse(StreamingResponse):
+    """A relayed SSE stream that runs ``on_close`` however it ends, and stops when the client
+    leaves.
+
+    Starlette's own ``__call__`` does not fit: it never closes the body iterator when the
+    client disconnects (the in-flight count and the upstream connection would leak), watches
+    for the disconnect with an anyio task group, and sends every chunk through each
+    middleware's ``send`` wrapper. Those wrappers only watch for the response's start, so the
+    start goes through them and the body goes to the server's ``send`` directly: at 1,024
+    paced streams the wrappers were about a tenth of the proxy's CPU.
     """
 
     def __init__(
@@ -139,10 +151,19 @@ class RelayResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send(
+                {"type": "http.response.start", "status": self.status_code,
+                 "headers": self.raw_headers}
+            )
+            await unless_client_leaves(receive, lambda: self._pump(scope.get(SERVER_SEND, send)))
         finally:
             with anyio.CancelScope(shield=True):
                 aclose = getattr(self.body_iterator, "aclose", None)
                 if aclose is not None:
                     await aclose()
                 await self._on_close()
+
+    async def _pump(self, send: Send) -> None:
+        async for block in self.body_iterator:
+            await send({"type": "http.response.body", "body": block, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
