@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import socket
@@ -83,6 +84,12 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(coro, name=name) for name, coro in loops]
         for task in tasks:
             task.add_done_callback(_report_crash)
+        # What start-up built (imported modules, the artifact, the routing state) lives as long
+        # as the proxy, yet every full collection walked it: a pause of about 80 ms every few
+        # thousand requests (most of the p99 at concurrency 64) and a sixth of the CPU a
+        # request. Frozen, the collector walks only what requests allocate.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
