@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -589,3 +590,17 @@ def test_admin_reads_a_cost_only_inline_or_under_the_eldr_home(
     assert switch("cpu").status_code == 200
     bad_inline = switch({"num_layers": 4, "nonsense": 1})
     assert bad_inline.status_code == 400 and "nonsense" in bad_inline.text
+
+
+def test_what_start_up_built_is_out_of_the_collectors_walks(env: Cluster) -> None:
+    # Frozen objects sit in the permanent generation, which gc.get_objects() does not list: a
+    # full collection walks them no more (the p99 pauses and a sixth of the CPU a request).
+    config = fast_config(env.state.config.prefill_urls, env.state.config.decode_urls,
+                         policy="rr")
+    app = create_app(config, artifact_loader=load_fake_artifact)
+    with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url) as client:
+        assert gc.get_freeze_count() > 0
+        assert not any(o is app.state.proxy for o in gc.get_objects())
+        assert client.post("/v1/completions", json={"prompt": "domain=1"}).status_code == 200
+    # Collectable again once stopped: what is never collected at exit, nanobind reports leaked.
+    assert gc.get_freeze_count() == 0

@@ -102,6 +102,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             await asyncio.gather(*tasks, return_exceptions=True)
             state._session = None
             state._leg_client = None
+            # Collectable again: at exit, objects never collected make extension modules
+            # (nanobind's) print leak reports.
+            gc.unfreeze()
             if state.recorder is not None:
                 await asyncio.to_thread(state.recorder.close)  # every row handed over, written
 
