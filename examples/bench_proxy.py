@@ -16,7 +16,9 @@ when the last one ended):
 and ``plain`` at concurrency 1 for the latency a router adds.
 
 Per point: requests/s, relayed SSE chunks/s, latency p50/p99 (whole response; for streams, the
-whole stream), the router's CPU (cores, and ms per request). The fakes, the routers and the
+whole stream), the router's CPU (cores, ms per request, us per chunk, and the kernel's share:
+socket reads and writes cost any router about the same, so the rest is its own code), and the
+fake workers' CPU per request (what a router makes them do). The fakes, the routers and the
 load generator share this machine's cores, so a router's figures are also bounded by what the
 others leave it: compare routers within one run, and read the CPU columns.
 
