@@ -187,17 +187,23 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait()
 
 
-def cpu_seconds(root: int, system_only: bool = False) -> float:
-    """User + system CPU (or system alone) of ``root`` and every process below it."""
+def cpu_times(root: int) -> tuple[float, float]:
+    """CPU of ``root`` and every process below it: user + system, and system alone."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    total = system = 0.0
     for pid in [root, *(i.pid for i in linux.descendants(root))]:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        total += (int(fields[12]) + (0 if system_only else int(fields[11]))) / tick
-    return total
+        total += (int(fields[11]) + int(fields[12])) / tick
+        system += int(fields[12]) / tick
+    return total, system
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU of ``root`` and every process below it."""
+    return cpu_times(root)[0]
 
 
 # -- load generator -----------------------------------------------------------------------
@@ -306,16 +312,15 @@ def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workloa
     queue: mp.Queue = ctx.Queue()
     gen = ctx.Process(target=generate, args=(url, workload, concurrency, seconds, tokens,
                                              queue))
-    cpu0 = cpu_seconds(proc.pid) if proc else 0.0
-    sys0 = cpu_seconds(proc.pid, system_only=True) if proc else 0.0
+    cpu0, sys0 = cpu_times(proc.pid) if proc else (0.0, 0.0)
     workers0 = sum(cpu_seconds(pid) for pid in workers)
     t0 = time.monotonic()
     gen.start()
     requests, failed, chunks, latencies = queue.get(timeout=seconds + 900)
     wall = time.monotonic() - t0
     gen.join()
-    cpu = (cpu_seconds(proc.pid) - cpu0) if proc else 0.0
-    sys_cpu = (cpu_seconds(proc.pid, system_only=True) - sys0) if proc else 0.0
+    cpu1, sys1 = cpu_times(proc.pid) if proc else (0.0, 0.0)
+    cpu, sys_cpu = cpu1 - cpu0, sys1 - sys0
     workers_cpu = sum(cpu_seconds(pid) for pid in workers) - workers0
     lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
     # The generator's start-up (a fresh interpreter) is in ``wall`` but sends nothing; the
