@@ -4,6 +4,7 @@ in front of the same fake decode workers that each see the other's streams."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,7 +16,7 @@ import zmq
 
 from stages.capture.batch_publisher import REQUEST_TAG, BatchMessage, BatchPublisher, request_name
 from stages.serve.proxy import create_app
-from stages.serve.proxy.published_batches import PublishedBatches
+from stages.serve.proxy.published_batches import PublishedBatches, follow_batches
 from stages.signature import wire
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
@@ -99,12 +100,11 @@ def test_only_the_other_proxies_requests_are_added() -> None:
     clock.now += 31  # long after: a name that comes back is someone else's request
     batches.heard(0, frozenset({"mine-1"}))
     assert batches.others.tolist() == [1, 0]
-    clock.now += 1
-    batches.silent(0)  # 1 s without a message: still believed
+    clock.now += 1  # 1 s without a message: still believed
     assert batches.others.tolist() == [1, 0]
-    clock.now += 1.5
-    batches.silent(0)  # past stale_after_s: routing falls back to its own counts
+    clock.now += 1.5  # past stale_after_s: routing falls back to its own counts
     assert batches.others.tolist() == [0, 0] and batches.age_s(0) == pytest.approx(2.5)
+    assert batches.published.tolist() == [0, 0]
     assert batches.age_s(1) is None
 
 
@@ -126,6 +126,49 @@ def test_a_signature_goes_out_once_with_the_first_message_that_lists_its_request
     finally:
         publisher.close()
         sub.close(linger=0)
+
+
+def test_staleness_is_judged_when_the_view_is_read_whoever_follows_it() -> None:
+    """A dead follow task calls nothing more: the view still expires when routing reads it."""
+    clock = Clock()
+    batches = PublishedBatches(1, stale_after_s=2.0, forget_after_s=30.0, clock=clock)
+    batches.heard(0, frozenset({"theirs-1", "theirs-2"}))
+    assert batches.others.tolist() == [2]
+    clock.now += 2.5
+    assert batches.others.tolist() == [0] and batches.published.tolist() == [0]
+    batches.heard(0, frozenset({"theirs-3"}))  # heard again: believed again
+    assert batches.others.tolist() == [1]
+
+
+def test_a_publisher_sending_only_undecodable_messages_goes_stale() -> None:
+    """A worker on another wire version mid-rollout keeps the socket busy with messages this
+    proxy cannot read: its view must expire from the last valid one, not freeze."""
+    asyncio.run(_follow_a_publisher_gone_undecodable())
+
+
+async def _follow_a_publisher_gone_undecodable() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(endpoint)
+    batches = PublishedBatches(1, stale_after_s=0.5)
+    follower = asyncio.create_task(follow_batches((endpoint,), batches, stale_after_s=0.5))
+    try:
+        valid = BatchMessage(0, frozenset({"theirs-1"})).encode()
+        deadline = time.monotonic() + 5
+        while batches.others[0] != 1 and time.monotonic() < deadline:
+            pub.send(valid)
+            await asyncio.sleep(0.02)
+        assert batches.others.tolist() == [1]
+        newer = b'{"v": 2, "seq": 1, "requests": ["theirs-1"]}'
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # busier than the stale limit: no poll ever times out
+            pub.send(newer)
+            await asyncio.sleep(0.05)
+        assert batches.others.tolist() == [0]
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        pub.close(linger=0)
 
 
 class Listener:
@@ -152,8 +195,8 @@ def test_the_listener_hears_the_others_requests_that_came_with_signatures() -> N
     batches.heard(1, frozenset({"theirs-3"}), {"theirs-3": sig, "gone-already": sig})
     batches.heard(0, frozenset({"theirs-2"}))
     assert listener.events[1:] == [("joined", 1, "theirs-3"), ("left", 0, "theirs-1")]
-    clock.now += 2.5
-    batches.silent(1)  # a worker gone quiet: its others are forgotten, experts and all
+    clock.now += 2.5  # a worker gone quiet: its others are forgotten, experts and all
+    assert batches.others.tolist() == [0, 0]
     assert listener.events[3:] == [("left", 1, "theirs-3")]
     assert batches.weighed == [set(), set()]
 

@@ -14,9 +14,12 @@ The others' requests also come with their prefill signatures, each sent once by 
 left each worker, so eldr-union weighs their experts as it weighs its own. One whose signature
 this proxy missed (a message lost, or sent before it subscribed) counts as load only.
 
-A worker that has published nothing for ``stale_after_s`` (the publisher's heartbeat is 0.5 s)
-is taken to hold none of the others' requests: a proxy whose subscription broke routes on its
-own counts, as a lone proxy does, rather than on a frozen view.
+A worker that has published no valid message for ``stale_after_s`` (the publisher's heartbeat
+is 0.5 s) is taken to hold none of the others' requests: a proxy whose subscription broke routes
+on its own counts, as a lone proxy does, rather than on a frozen view. Staleness is judged when
+the view is read (``others``, ``published``), from the last valid message: neither a publisher
+that keeps sending what this proxy cannot decode (another wire version mid-rollout) nor a
+follow task that died can freeze it.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ class PublishedBatches:
     def __init__(self, num_workers: int, stale_after_s: float = 2.0,
                  forget_after_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.others = np.zeros(num_workers, dtype=np.int64)  # read by WorkerPool.loads
-        self.published = np.zeros(num_workers, dtype=np.int64)  # as last published, all proxies
+        self._others = np.zeros(num_workers, dtype=np.int64)
+        self._published = np.zeros(num_workers, dtype=np.int64)  # as last published, all proxies
         # Per worker, the others' requests the listener was told of (their experts weighed).
         self.weighed: list[set[str]] = [set() for _ in range(num_workers)]
         self.listener: OthersListener | None = None
@@ -59,6 +62,22 @@ class PublishedBatches:
         self._stale_after_s = stale_after_s
         self._forget_after_s = forget_after_s
         self._clock = clock
+        # The earliest moment a worker's view may go stale (inf: none to expire): a read before
+        # it costs one clock call.
+        self._next_stale = np.inf
+
+    @property
+    def others(self) -> np.ndarray:
+        """The others' requests on each worker (read by ``WorkerPool.loads``); 0 on a worker
+        whose last valid message is older than ``stale_after_s``."""
+        self._expire()
+        return self._others
+
+    @property
+    def published(self) -> np.ndarray:
+        """Each worker's requests as last published, all proxies' (0 once stale)."""
+        self._expire()
+        return self._published
 
     def sent(self, name: str) -> None:
         self._own.add(name)
@@ -70,26 +89,34 @@ class PublishedBatches:
 
     def heard(self, worker: int, requests: frozenset[str],
               signatures: dict[str, dict[str, Any]] | None = None) -> None:
-        """Worker ``worker`` published that it holds ``requests``; ``signatures`` are those of
-        the requests it lists for the first time."""
+        """Worker ``worker`` published (a valid message) that it holds ``requests``;
+        ``signatures`` are those of the requests it lists for the first time."""
         now = self._clock()
         self._forget(now)
         self._heard[worker] = now
-        self.published[worker] = len(requests)
+        self._next_stale = min(self._next_stale, now + self._stale_after_s)
+        self._published[worker] = len(requests)
         own, ended = self._own, self._ended
         if self.listener is None:
-            self.others[worker] = sum(1 for r in requests if r not in own and r not in ended)
+            self._others[worker] = sum(1 for r in requests if r not in own and r not in ended)
             return
         others = {r for r in requests if r not in own and r not in ended}
-        self.others[worker] = len(others)
+        self._others[worker] = len(others)
         self._tell(worker, others, signatures or {})
 
-    def silent(self, worker: int) -> None:
-        """Nothing heard from ``worker`` in time: count none of the others' requests on it."""
-        if self._clock() - self._heard[worker] >= self._stale_after_s:
-            self.others[worker] = 0
-            self.published[worker] = 0
-            self._tell(worker, set(), {})
+    def _expire(self) -> None:
+        """Count none of the others' requests on a worker silent for ``stale_after_s``."""
+        now = self._clock()
+        if now < self._next_stale:
+            return
+        stale = now - self._heard >= self._stale_after_s
+        for worker in np.flatnonzero(stale):
+            if self._others[worker] or self._published[worker] or self.weighed[worker]:
+                self._others[worker] = 0
+                self._published[worker] = 0
+                self._tell(int(worker), set(), {})
+        fresh = self._heard[~stale]
+        self._next_stale = float(fresh.min()) + self._stale_after_s if fresh.size else np.inf
 
     def _tell(self, worker: int, others: set[str], signatures: dict[str, dict[str, Any]]) -> (
         None
@@ -147,16 +174,14 @@ async def _follow(context: zmq.asyncio.Context, worker: int, endpoint: str,
     warned = False
     try:
         while True:
-            if not await socket.poll(timeout=int(stale_after_s * 1000)):
-                batches.silent(worker)
-                continue
             raw = await socket.recv()
             try:
                 message = BatchMessage.decode(raw)
             except ValueError as exc:
                 if not warned:  # once per worker: a wrong publisher on the port, or a release
-                    log.warning("decode worker %d's batch publisher at %s sent %s; ignored",
-                                worker, endpoint, exc)
+                    log.warning("decode worker %d's batch publisher at %s sent %s; ignored"
+                                " (its view goes stale %g s after its last valid message)",
+                                worker, endpoint, exc, stale_after_s)
                     warned = True
                 continue
             batches.heard(worker, message.requests, message.signatures)
