@@ -455,8 +455,13 @@ def test_a_recording_proxy_keeps_each_requests_decode_as_the_decode_workers_meas
         for i, prompt in enumerate(prompts):
             body = {"model": "tiny", "prompt": prompt.prompt, "temperature": 0,
                     "max_tokens": CALIBRATION_TOKENS, "ignore_eos": True, "stream": i % 2 == 0}
-            httpx.post(f"{recording.url}/v1/completions", json=body,
-                       timeout=120).raise_for_status()
+            # One X-Request-Id for all: the client's id is echoed, never eldr's key.
+            answer = httpx.post(f"{recording.url}/v1/completions", json=body,
+                                headers={"X-Request-Id": "one-id"}, timeout=120)
+            answer.raise_for_status()
+            assert answer.headers["x-request-id"] == "one-id"
+            if not body["stream"]:
+                assert answer.json()["id"] == "cmpl-one-id"  # as vLLM names it
     recorded = SignatureDataset.open(traffic)
     captured = SignatureDataset.open(deployment.dataset)
     assert recorded.identity == captured.identity  # the served model's, as capture writes it

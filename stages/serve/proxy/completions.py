@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from stages.serve.proxy.admission import RETRY_AFTER_S, Admission, Shed, admit
 from stages.serve.proxy.answer import Answer, to_response
+from stages.serve.proxy.answer_ids import for_client
 from stages.serve.proxy.batch import serve_batch
 from stages.serve.proxy.batch_split import split
 from stages.serve.proxy.decode_leg import hand_off, run_decode
@@ -45,8 +46,11 @@ async def serve_one(ctx: RequestContext) -> Answer:
 async def _handle(request: Request, chat: bool) -> Response:
     state: ProxyState = request.app.state.proxy
     metrics = state.metrics
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    reply_headers = {"X-Request-Id": request_id}
+    # eldr's own id keys the request everywhere (the legs' X-Request-Id, the decode tag, the
+    # recorder, the published views): a client's id need not be unique, so it is only echoed.
+    request_id = uuid.uuid4().hex
+    client_id = request.headers.get("x-request-id") or request_id
+    reply_headers = {"X-Request-Id": client_id}
     admission: Admission | None = None
     try:
         admission = admit(state)  # before reading the body: shedding must cost next to nothing
@@ -54,11 +58,12 @@ async def _handle(request: Request, chat: bool) -> Response:
         fields = check_request_body(read.body, chat)
         if state.config.model is not None:
             read.body.setdefault("model", state.config.model)
-        work = _plan(request, request_id, read, chat, fields, admission)
+        work = _plan(request, request_id, client_id, read, chat, fields, admission)
         answer = await unless_client_leaves(request.receive, work)
         if answer is None:
             metrics.request_errors.labels("client_disconnect").inc()
-            log.info("request %s: client left before the answer was ready", request_id)
+            log.info("request %s (client id %s): client left before the answer was ready",
+                 request_id, client_id)
             return Response(status_code=499, headers=reply_headers)
         return to_response(answer, reply_headers)
     except Shed as exc:
@@ -66,7 +71,7 @@ async def _handle(request: Request, chat: bool) -> Response:
         return exc.response({**reply_headers, "Retry-After": str(RETRY_AFTER_S)})
     except ProxyError as exc:
         metrics.request_errors.labels(exc.kind).inc()
-        log.warning("request %s: %s", request_id, exc.message)
+        log.warning("request %s (client id %s): %s", request_id, client_id, exc.message)
         return exc.response(reply_headers)
     except UpstreamClientError as exc:
         metrics.request_errors.labels("upstream_rejected").inc()
@@ -81,20 +86,26 @@ async def _handle(request: Request, chat: bool) -> Response:
 
 
 def _plan(
-    request: Request, request_id: str, read: JsonBody, chat: bool, fields: RequestFields,
-    admission: Admission,
+    request: Request, request_id: str, client_id: str, read: JsonBody, chat: bool,
+    fields: RequestFields, admission: Admission,
 ) -> Callable[[], Awaitable[Answer]]:
     state: ProxyState = request.app.state.proxy
     config = state.config
     # The bytes a split may repeat upstream: a few bodies' worth.
     parts = split(read.body, chat, fields, config.max_fanout, 4 * config.max_body_bytes)
     if parts is None:
-        ctx = request_context(request, request_id, read.body, chat, read.lax, admission)
-        return lambda: serve_one(ctx)
+        ctx = request_context(
+            request, request_id, read.body, chat, read.lax, admission, client_id
+        )
+        return lambda: _for_client(serve_one(ctx), request_id, client_id)
     subs = [
         request_context(
-            request, f"{request_id}-{k}", part.body, chat, read.lax, admission, request_id
+            request, f"{request_id}-{k}", part.body, chat, read.lax, admission, client_id
         )
         for k, part in enumerate(parts)
     ]
-    return lambda: serve_batch(subs, parts, request_id)
+    return lambda: serve_batch(subs, parts, client_id)
+
+
+async def _for_client(answer: Awaitable[Answer], request_id: str, client_id: str) -> Answer:
+    return for_client(await answer, request_id, client_id)

@@ -28,8 +28,9 @@ class RequestContext:
     state: ProxyState
     path: str  # the route, the same on the workers (/v1/completions, /v1/chat/completions)
     chat: bool
-    # What the workers see as X-Request-Id: the client's id, a sub-request's own id, or a
-    # retry's (NIXL tracks hand-offs by request id, so no two legs in flight may share one).
+    # What the workers see as X-Request-Id: eldr's own id, a sub-request's or a retry's (NIXL
+    # tracks hand-offs by request id, so no two legs in flight may share one), never the
+    # client's, which only the reply carries (two clients may send the same).
     request_id: str
     legs: Legs
     headers: Mapping[str, str]  # for the workers
