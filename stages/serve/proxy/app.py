@@ -238,14 +238,18 @@ class DrainingServer(uvicorn.Server):
         self._state.draining = True
         self._drain_deadline = time.monotonic() + self._drain_timeout_s
         log.warning("draining: %d request(s) in flight, at most %.0f s",
-                    self._state.in_flight(), self._drain_timeout_s)
+                    self._unfinished(), self._drain_timeout_s)
+
+    def _unfinished(self) -> int:
+        # Leased to a worker, or let in and still sending its body (no lease yet): stopping
+        # before the latter lease would cut them off as surely as the ones decoding.
+        return self._state.in_flight() + self._state.admitting
 
     async def on_tick(self, counter: int) -> bool:
         if self._state.draining and not self.should_exit:
-            done = self._state.in_flight() == 0
-            if done or time.monotonic() >= self._drain_deadline:
-                if not done:
-                    log.warning("drain timed out with %d request(s) in flight",
-                                self._state.in_flight())
+            left = self._unfinished()
+            if not left or time.monotonic() >= self._drain_deadline:
+                if left:
+                    log.warning("drain timed out with %d request(s) in flight", left)
                 self.should_exit = True
         return await super().on_tick(counter)
