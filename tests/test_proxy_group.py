@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -214,3 +215,59 @@ def test_bad_group_options_are_refused_by_name() -> None:
         ServeOptions(proxy_workers=0).check()
     with pytest.raises(EldrError, match="the http:// address of another proxy"):
         ServeOptions(peers=("10.0.0.2:8000",)).check()
+
+
+def test_a_killed_process_is_replaced_and_no_connection_waits_on_its_socket(
+        workers: list[BackgroundServer]) -> None:
+    """A process killed under load: the kernel must stop handing new connections to its
+    socket at once (the first process still holds it open) and a new process takes its place.
+    Without that about half the connections here would hang until the client gave up."""
+    port = free_port()
+    proc = _group(workers, port, 2)
+    url = f"http://127.0.0.1:{port}"
+    waits: list[float] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:  # a new connection each: the kernel picks a listener per connection
+                with httpx.Client(base_url=url, timeout=5) as client:
+                    client.post("/v1/completions", json={"prompt": "p", "max_tokens": 2})
+            except httpx.HTTPError as exc:
+                failures.append(repr(exc))
+            waits.append(time.monotonic() - t0)
+
+    try:
+        wait_healthy(url, 60, proc.poll, interval_s=0.1)
+        [child] = _children(proc.pid, 1)
+        _names_seen(url, 2)
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        os.kill(child, signal.SIGKILL)
+        time.sleep(4)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert max(waits) < 2.0, sorted(waits)[-5:]
+        # Only connections the killed process held (or had queued) are cut.
+        assert len(failures) <= 6, failures
+        [replacement] = [p for p in _children(proc.pid, 1) if p != child]
+        assert _alive(replacement) and not _alive(child)
+        _names_seen(url, 2)  # the replacement serves its share again
+        assert "Traceback" not in _stop_group(proc)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _children_left(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _stop_group(proc: subprocess.Popen[str]) -> str:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    return proc.stderr.read()

@@ -11,6 +11,13 @@ process starts: the kernel queues it on its socket until that process accepts.
 Process 0 is this one; the others are started from it, each in a session of its own (a
 Ctrl-C reaches this process only) and killed by the kernel if this one dies. The first SIGINT
 or SIGTERM here is passed to every other process: all drain together.
+
+Process 0 holds every socket open, so a process that dies leaves a listener nobody accepts on,
+and the kernel would keep handing it about 1/N of new connections, which would hang. A thread
+here watches the others (their exit wakes it at once): a dead one's listening socket is closed,
+which takes it out of the kernel's choice (connections it had queued are reset, as those it
+had accepted were), and a new process takes its place on a new socket that starts listening
+only once that process accepts. Nothing is restarted once the group drains.
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
 from stages.errors import EldrError
@@ -34,10 +44,15 @@ log = logging.getLogger(__name__)
 
 # How long the other processes get past the drain to stop before they are killed.
 _STOP_GRACE_S = 10.0
+# A process that dies sooner than this after its start is replaced only this long after that
+# start: one that cannot start is not respawned in a tight loop.
+_RESPAWN_MIN_S = 5.0
 
 
-def listener(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` (IPv6 when ``host`` is an IPv6 address)."""
+def listener(host: str, port: int, reuse_port: bool, listen: bool = True) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (IPv6 when ``host`` is an IPv6 address);
+    with ``listen`` False, bound only: whoever serves it listens (asyncio's ``create_server``
+    does), and until then the kernel hands it no connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -45,7 +60,8 @@ def listener(host: str, port: int, reuse_port: bool) -> socket.socket:
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(2048)
+        if listen:
+            sock.listen(2048)
     except OSError as exc:
         sock.close()
         raise EldrError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
@@ -79,14 +95,17 @@ def serve_group(
         for i in range(processes)
     ]
     ctx = mp.get_context("spawn")
-    others = _Others([
-        ctx.Process(
+
+    def start_one(i: int, public_socket: socket.socket) -> BaseProcess:
+        process = ctx.Process(
             target=_serve_one, name=f"eldr-proxy-{i}", daemon=False,
-            args=(configs[i], [public[i], control[i]], log_level, drain_timeout_s,
+            args=(configs[i], [public_socket, control[i]], log_level, drain_timeout_s,
                   os.getpid()),
         )
-        for i in range(1, processes)
-    ])
+        process.start()
+        return process
+
+    others = _Others(start_one, public, lambda: listener(host, port, True, listen=False))
     try:
         others.start()
         # The supervisor's restart counts live in this process: only proxy 0 reports them.
@@ -112,34 +131,98 @@ def _serve_one(config: ProxyConfig, sockets: list[socket.socket], log_level: str
 
 
 class _Others:
-    """The proxy processes this one started."""
+    """The proxy processes this one started (1 to N-1, as ``public`` indexes their listening
+    sockets), watched and replaced when one dies."""
 
-    def __init__(self, processes: list[BaseProcess]) -> None:
-        self.processes = processes
+    def __init__(self, start_one: Callable[[int, socket.socket], BaseProcess],
+                 public: list[socket.socket], new_socket: Callable[[], socket.socket]) -> None:
+        self._start_one = start_one
+        self._public = public  # replaced in place: the caller closes what is there at the end
+        self._new_socket = new_socket
+        self.processes: dict[int, BaseProcess] = {}
+        self._started: dict[int, float] = {}
+        self._respawn_at: dict[int, float] = {}  # died too soon after its start: wait
+        self._lock = threading.RLock()
         self._draining = False
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="eldr-proxy-watch",
+                                         daemon=True)
 
     def start(self) -> None:
-        for process in self.processes:
-            process.start()
+        with self._lock:
+            for i in range(1, len(self._public)):
+                self._spawn(i, self._public[i])
+        self._watcher.start()
+
+    def _spawn(self, i: int, public_socket: socket.socket) -> None:
+        self.processes[i] = self._start_one(i, public_socket)
+        self._started[i] = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                running = {p.sentinel: i for i, p in self.processes.items()
+                           if p.exitcode is None}
+                waits = [at - time.monotonic() for at in self._respawn_at.values()]
+            timeout = max(0.0, min([0.5, *waits]))
+            for sentinel in wait(list(running), timeout) if running else ():
+                self._died(running[sentinel])  # type: ignore[index]
+            if not running:
+                self._stopping.wait(timeout)
+            self._respawn_due()
+
+    def _died(self, i: int) -> None:
+        with self._lock:
+            if self._draining or self._stopping.is_set():
+                return
+            process = self.processes[i]
+            process.join()
+            # Closed at once: the kernel stops choosing it for new connections.
+            self._public[i].close()
+            lived = time.monotonic() - self._started[i]
+            log.warning("proxy process %s died (exit code %s) after %.1f s: its socket closed,"
+                        " a new process starts", process.name, process.exitcode, lived)
+            self._respawn_at[i] = self._started[i] + (_RESPAWN_MIN_S if lived < _RESPAWN_MIN_S
+                                                      else 0.0)
+
+    def _respawn_due(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            for i, at in list(self._respawn_at.items()):
+                if at > now:
+                    continue
+                del self._respawn_at[i]
+                if self._draining or self._stopping.is_set():
+                    continue
+                try:
+                    self._public[i] = self._new_socket()
+                except EldrError as exc:  # the port taken meanwhile: the others serve it
+                    log.error("proxy process %d not replaced: %s", i, exc)
+                    continue
+                self._spawn(i, self._public[i])
 
     def drain(self) -> None:
         """Pass the first stop signal on, once: a second one would end their drain at once."""
-        if self._draining:
-            return
-        self._draining = True
-        for process in self.processes:
-            if process.pid is not None and process.exitcode is None:
-                try:
-                    os.kill(process.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    continue
+        with self._lock:
+            if self._draining:
+                return
+            self._draining = True
+            for process in self.processes.values():
+                if process.pid is not None and process.exitcode is None:
+                    try:
+                        os.kill(process.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        continue
 
     def stop(self, timeout_s: float) -> None:
         """Drain every process still running, wait for them up to ``timeout_s``, then kill what
         is left."""
         self.drain()
+        self._stopping.set()
+        if self._watcher.is_alive():
+            self._watcher.join()
         deadline = time.monotonic() + timeout_s
-        for process in self.processes:
+        for process in self.processes.values():
             if process.pid is None:
                 continue
             process.join(max(0.0, deadline - time.monotonic()))
