@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -11,6 +11,11 @@ from eldr_cli.options import PolicyConfigOption, SeedOption, policy_config
 from stages import paths
 from stages.errors import EldrError
 from stages.routing.policies import POLICIES
+
+if TYPE_CHECKING:
+    from stages.bench.live.conversation_bench import WorkloadChoice
+    from stages.bench.workloads.conversations import ConversationSpec
+    from stages.routing.policy_config import PolicyConfig
 
 ALL_POLICIES = ",".join(POLICIES)
 
@@ -35,9 +40,50 @@ def _live_rates(text: str) -> list[float]:
 
 
 def bench(
+    workload_file: Annotated[Path | None, typer.Argument(
+        help="--workload sharegpt: the ShareGPT JSON file.", show_default=False)] = None,
     url: Annotated[str, typer.Option(help="The eldr proxy.")] = paths.DEFAULT_PROXY_URL,
-    policies: Annotated[str, typer.Option(help="Policies to compare, comma separated.")]
-    = ALL_POLICIES,
+    policies: Annotated[str | None, typer.Option(
+        help="Policies of the eldr proxy to compare, comma separated. Default: every policy,"
+        " or none when --router is given.", show_default=False)] = None,
+    router: Annotated[list[str] | None, typer.Option(
+        help="--workload: also bench this OpenAI endpoint as one router, NAME=URL"
+        " (repeatable; driven as it is, no admin calls), e.g. vllm-router=http://HOST:PORT.",
+        show_default=False)] = None,
+    workload: Annotated[str | None, typer.Option(
+        help="Traffic with history: 'conversations' (the bundled generator: a shared system"
+        " prompt + the history with the server's real answers + a new message per turn) or"
+        " 'sharegpt FILE'. Every router in every round gets fresh conversations.",
+        show_default=False)] = None,
+    turns: Annotated[int, typer.Option(help="--workload: turns per conversation.", min=1)] = 3,
+    conversations: Annotated[int, typer.Option(
+        help="--workload: conversations per router per round.", min=1)] = 12,
+    system_prompts: Annotated[int, typer.Option(
+        help="--workload conversations: distinct shared system prompts.", min=1)] = 1,
+    system_tokens: Annotated[int, typer.Option(
+        help="--workload conversations: tokens of each system prompt.", min=0)] = 256,
+    message_tokens: Annotated[int, typer.Option(
+        help="--workload conversations: each user message cut to this many tokens.", min=1)]
+    = 128,
+    think_time: Annotated[float, typer.Option(
+        help="--workload: seconds from an answer to the next turn.", min=0.0)] = 1.0,
+    tokenizer: Annotated[Path | None, typer.Option(
+        help="--workload: the served model's tokenizer folder (histories are capped in its"
+        " tokens below its length). Default: the bundled tiny model's.", show_default=False)]
+    = None,
+    max_model_len: Annotated[int | None, typer.Option(
+        help="--workload: the served model's length. Default: the tokenizer's.",
+        show_default=False)] = None,
+    block_size: Annotated[int | None, typer.Option(
+        help="--workload: KV block size for the ideal hit share. Default: a prefill worker's"
+        " (vllm:cache_config_info), else 32.", show_default=False)] = None,
+    prefill_urls: Annotated[str | None, typer.Option(
+        help="--workload: prefill workers whose prefix-cache counters to read, comma"
+        " separated. Default: the eldr proxy's (/admin/state) when a policy is benched.",
+        show_default=False)] = None,
+    decode_urls: Annotated[str | None, typer.Option(
+        help="--workload: decode workers whose KV-transfer counters to read, comma separated."
+        " Default: the eldr proxy's.", show_default=False)] = None,
     policy_options: PolicyConfigOption = None,
     prompts: Annotated[Path | None, typer.Option(
         help="JSONL prompts. Default: the bundled evaluation split.", show_default=False)] = None,
@@ -124,8 +170,24 @@ def bench(
     (policies interleaved through the proxy's admin API), as `vllm bench serve` reports them."""
     result_dir = result_dir or paths.default_result_dir()
     prompts_path = prompts or paths.EVALUATION_PROMPTS
-    names = tuple(p.strip() for p in policies.split(",") if p.strip())
     options = policy_config(policy_options)
+    default_policies = "" if router else ALL_POLICIES
+    names = tuple(p.strip() for p in (policies or default_policies).split(",") if p.strip())
+    if workload is None and (router or workload_file is not None):
+        raise EldrError("--router and a workload FILE go with --workload (conversations or"
+                        " sharegpt FILE)")
+    if workload is not None:
+        from stages.bench.workloads.conversations import ConversationSpec
+
+        spec = ConversationSpec(conversations, turns, system_prompts, system_tokens,
+                                message_tokens, think_time)
+        choice = _workload_choice(workload, workload_file, spec, prompts_path)
+        if simulate:
+            raise EldrError("--simulate --workload is not built yet")
+        _conversation_bench(choice, url, names, router or [], tokenizer, max_model_len,
+                            block_size, prefill_urls, decode_urls, max_concurrency, max_tokens,
+                            rounds, seed, result_dir, options)
+        return
     _check_modes(simulate, bool(replay), engine_cost, another_pass,
                  proxies != 1 or publish_delay_ms != 0)
     if simulate and replay:
@@ -160,3 +222,48 @@ def bench(
             seed=seed, result_dir=result_dir, max_tokens=max_tokens, rounds=rounds,
             num_layers=artifact_num_layers(), policy_config=options,
         ), rates, typer.echo)
+
+
+def _workload_choice(workload: str, file: Path | None, spec: ConversationSpec,
+                     prompts_path: Path) -> WorkloadChoice:
+    from stages.bench.live.conversation_bench import WorkloadChoice
+
+    if workload not in ("conversations", "sharegpt"):
+        raise EldrError(f"unknown --workload {workload!r}; choose conversations or sharegpt")
+    if workload == "sharegpt" and file is None:
+        raise EldrError("--workload sharegpt needs the file: --workload sharegpt FILE")
+    if workload == "conversations" and file is not None:
+        raise EldrError(f"--workload conversations takes no file (got {file})")
+    return WorkloadChoice(workload, spec, prompts_path, file)
+
+
+def _conversation_bench(choice: WorkloadChoice, url: str, names: tuple[str, ...],
+                        routers: list[str],
+                        tokenizer_dir: Path | None, max_model_len: int | None,
+                        block_size: int | None, prefill_urls: str | None,
+                        decode_urls: str | None, max_concurrency: int | None, max_tokens: int,
+                        rounds: int, seed: int, result_dir: Path, options: PolicyConfig) -> None:
+    from stages.bench.live.conversation_bench import conversation_source, run_conversation_bench
+    from stages.bench.live.conversation_run import ConversationBenchConfig
+    from stages.bench.live.live_run import artifact_num_layers
+    from stages.bench.live.targets import bench_targets, parse_urls
+    from stages.bench.workloads.chat_tokens import HfChatTokenizer
+    from stages.bench.workloads.conversations import check_fits
+
+    targets = bench_targets(url, names, routers)
+    tok = HfChatTokenizer(tokenizer_dir or paths.BUNDLED_MODELS_DIR / "tiny", max_model_len)
+    spec = choice.spec
+    if choice.kind == "conversations":
+        check_fits(spec, max_tokens, tok.max_model_len)
+    config = ConversationBenchConfig(
+        targets=targets, source=conversation_source(choice, tok, seed),
+        tokenizer=tok, turns=spec.turns, max_concurrency=max_concurrency or 3,
+        think_time_s=spec.think_time_s, max_tokens=max_tokens, rounds=rounds, seed=seed,
+        num_layers=artifact_num_layers() if names else None,
+        policy_config=options,
+    )
+    describe = (f"{choice.kind}: {spec.conversations} conversations x {spec.turns} turns per"
+                f" router per round, {config.max_concurrency} at a time, think"
+                f" {spec.think_time_s:g} s, {max_tokens} output tokens")
+    run_conversation_bench(config, parse_urls(prefill_urls), parse_urls(decode_urls),
+                           block_size, result_dir, describe, typer.echo)

@@ -54,3 +54,26 @@ COLUMNS = tuple(m for m in METRICS if m.column)
 OVER_BEST = tuple(m for m in METRICS if m.over_best)
 RATE_PANELS = tuple(m for m in METRICS if m.rate_panel)
 REPLAYED = tuple(m for m in METRICS if m.replayed)
+
+# Traffic with history (``eldr bench --workload conversations|sharegpt``, live or simulated):
+# its own table, since a single-turn bench has none of these.
+CONVERSATION_METRICS: tuple[Metric, ...] = (
+    Metric("median_ttft_turn1_ms", "TTFT p50 t1", "ms"),
+    Metric("p99_ttft_turn1_ms", "TTFT p99 t1", "ms"),
+    Metric("median_ttft_later_ms", "TTFT p50 t>=2", "ms"),
+    Metric("p99_ttft_later_ms", "TTFT p99 t>=2", "ms"),
+    Metric("ttft_later_round_spread_ms", "t>=2 p50 spread", "ms"),
+    Metric("median_tpot_ms", "TPOT p50", "ms"),
+    Metric("p99_tpot_ms", "TPOT p99", "ms"),
+    # Prefill workers' own vllm:prefix_cache_hits / _queries over the runs (simulated: their
+    # modelled caches), the ideal of the workload (every turn on the worker holding its
+    # history; a PD prefill worker holds prompts, not answers), and the share of that ideal.
+    Metric("prefill_hit_share", "P hit", "share"),
+    Metric("ideal_prefill_hit_share", "P ideal", "share"),
+    Metric("prefill_hit_of_ideal", "P/ideal", "share"),
+    # Prompt tokens the decode workers pulled over the KV connector (vLLM's
+    # prompt_tokens_by_source{source="external_kv_transfer"}), and what their own cache held.
+    Metric("decode_kv_pulled_tokens", "D pulled", "tokens"),
+    Metric("decode_hit_share", "D hit", "share"),
+    Metric("failed", "fail", "requests"),
+)

@@ -88,3 +88,37 @@ def format_comparison(
     )
     lines.append("latencies in ms; experts/L = distinct experts per MoE layer per decode step")
     return "\n".join(lines)
+
+
+def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str = "") -> str:
+    """The conversation bench's table: TTFT of first and later turns, TPOT, prefix-hit shares
+    against the workload's ideal, KV tokens the decode workers pulled; then each router's
+    hit share per prefill worker."""
+    from stages.bench.metric_registry import CONVERSATION_METRICS
+
+    header = ["router", *(m.label for m in CONVERSATION_METRICS)]
+    rows = [header]
+    for name, m in metrics.items():
+        rows.append([name, *(_fmt(_number(m.get(c.key))) for c in CONVERSATION_METRICS)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [title] if title else []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for name, m in metrics.items():
+        per_worker = m.get("prefill_hit_share_by_worker")
+        if isinstance(per_worker, list) and per_worker:
+            lines.append(f"{name}: prefill hit share per worker "
+                         + " / ".join(_fmt(_number(v)) for v in per_worker))
+    lines.append("latencies in ms; t1 = first turns, t>=2 = later turns; P hit = prefill"
+                 " workers' vllm:prefix_cache_hits / queries; P ideal = every turn on the"
+                 " worker holding its history; D pulled = prompt tokens the decode workers"
+                 " pulled over the KV connector")
+    return "\n".join(lines)
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
