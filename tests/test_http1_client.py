@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import math
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any
@@ -452,6 +453,21 @@ def test_a_header_that_would_break_the_request_is_refused_before_anything_is_sen
     run(main())
 
 
+@pytest.mark.parametrize("path", ["/x\n", "/x\r\nHost: evil", "/x y", "/x\tz", "x",
+                                  "/caf\u00e9", "/x\x00"])
+def test_a_path_that_would_break_the_request_line_is_refused_before_anything_is_sent(
+        path: str) -> None:
+    async def main() -> None:
+        async with Server(keep_answering()) as server, Http1Client(1, 4.0) as client:
+            with pytest.raises(ValueError, match="request path"):
+                await client.post(server.url, path, b"{}", {}, FAST)
+            assert client.in_use == 0 and server.connections == 0
+            resp = await client.post(server.url, "/v1/x-y_z.~%20?a=b&c=d", b"{}", {}, FAST)
+            assert await resp.read() == b'{"ok":true}'
+
+    run(main())
+
+
 # -- failures -------------------------------------------------------------------------------
 
 
@@ -488,6 +504,44 @@ def test_a_worker_that_closes_mid_body_fails_as_delivered() -> None:
             with pytest.raises(UpstreamError):
                 await anext(chunks)
             resp.release()
+
+    run(main())
+
+
+def test_a_body_without_framing_cut_by_a_reset_fails_and_one_closed_cleanly_ends() -> None:
+    """Without Content-Length or chunks the body ends when the worker closes: a FIN ends it,
+    a reset (a crashed worker, a dropped connection) cuts it and is an error."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     server: Server) -> None:
+        body = await server.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npartial ")
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the head and the first bytes are read before the end
+        if body == b"reset":
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # closed with linger 0: a RST, not a FIN
+        else:
+            writer.write(b"end")
+            await writer.drain()
+            writer.close()
+
+    async def main() -> None:
+        async with Server(handle) as server, Http1Client(4, 4.0) as client:
+            resp = await client.post(server.url, "/x", b"reset", {}, FAST)
+            with pytest.raises(UpstreamError, match="before its answer ended"):
+                await resp.read()
+            resp.release()
+            resp = await client.post(server.url, "/x", b"reset", {}, FAST)
+            chunks = resp.iter_chunks()
+            assert await anext(chunks) == b"partial "
+            with pytest.raises(UpstreamError):
+                await anext(chunks)
+            resp.release()
+            resp = await client.post(server.url, "/x", b"fin", {}, FAST)
+            assert await resp.read() == b"partial end"
+            assert client.in_use == 0 and client.idle(server.url) == 0
 
     run(main())
 

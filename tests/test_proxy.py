@@ -605,3 +605,15 @@ def test_what_start_up_built_is_out_of_the_collectors_walks(env: Cluster) -> Non
         assert client.post("/v1/completions", json={"prompt": "domain=1"}).status_code == 200
     # Collectable again once stopped: what is never collected at exit, nanobind reports leaked.
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("suffix", ["%0A", "%0a"])
+def test_a_line_feed_the_route_lets_through_never_reaches_a_request_line(
+        env: Cluster, suffix: str) -> None:
+    """Starlette's route pattern ends in ``$``, which matches before a trailing line feed, so
+    ``/v1/completions%0A`` is routed as a completion (as vLLM itself routes it): the workers
+    get the route's own path, never the decoded one."""
+    r = env.client.post("/v1/completions" + suffix, json={"prompt": "domain=1", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert [rec.path for b in env.prefill + env.decode for rec in b.received] == [
+        "/v1/completions", "/v1/completions"]

@@ -4,9 +4,10 @@ a decode worker (its answer read whole or relayed chunk by chunk).
 Why not aiohttp here: every client request costs two upstream requests, and aiohttp's client
 was the largest single share of the proxy's CPU per request (examples/bench_upstream_client.py
 measures both). This client does only what the legs need: a POST with a bytes body, the answer's
-status, headers and body (Content-Length, chunked, or until the worker closes), bytes passed on
-as they came (nothing decompressed), and keep-alive connections pooled per worker URL. Health
-checks, self-checks and the rest keep aiohttp (stages.serve.proxy.upstream).
+status, headers and body (Content-Length, chunked, or until the worker closes cleanly: a reset
+cuts it), bytes passed on as they came (nothing decompressed), and keep-alive connections pooled
+per worker URL. Health checks, self-checks and the rest keep aiohttp
+(stages.serve.proxy.upstream).
 
 Rules the legs rely on:
 - A connection goes back to the pool only when the parser saw its answer's end and the worker
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -40,6 +42,9 @@ _HIGH_WATER = 1 << 20
 _SLACK_S = 1e-3
 # Bodies up to this size are copied into the request head's buffer: one write, one syscall.
 _JOIN_BODY_BYTES = 64 * 1024
+# What a request target's path and query may hold (RFC 3986: pchar, "/", "?"), ASCII only: no
+# space, no control character, nothing that could end the request line early.
+_REQUEST_PATH = re.compile(r"/[A-Za-z0-9\-._~!$&'()*+,;=:@%/?]*")
 
 
 class UpstreamError(Exception):
@@ -264,8 +269,10 @@ class _Connection(asyncio.Protocol):
         self._stop_timer()
         self.client._conns.discard(self)
         if self.active and not self.complete and self.error is None:
-            if self.headers_done and not self.framed:
-                self.complete = True  # a body that ends when the worker closes
+            if self.headers_done and not self.framed and exc is None:
+                # A body that ends when the worker closes: a clean close (FIN) is its end; a
+                # reset (exc) cut it, and is a failure like any other cut below.
+                self.complete = True
                 self.keep_alive = False
             else:
                 cause = f": {exc!r}" if exc is not None else ""
@@ -428,9 +435,14 @@ class Http1Client:
     ) -> Response:
         """POST ``body`` to ``url`` + ``path``; the answer once its headers arrived.
 
-        ``headers`` must not repeat Host, Content-Length or the client's own headers. Raises
+        ``headers`` must not repeat Host, Content-Length or the client's own headers; ``path``
+        must be a URL's path (and query) as it goes on the request line, or ValueError. Raises
         ``NotDelivered`` when the request never left, ``UpstreamError`` when it failed after.
         """
+        if _REQUEST_PATH.fullmatch(path) is None:
+            # A path decoded from a client's URL could hold a line break (a route pattern's
+            # ``$`` matches before a trailing "\n") and split the request line.
+            raise ValueError(f"not a request path that can go on a request line: {path!r}")
         origin = self._origins.get(url)
         if origin is None:
             origin = self._origins[url] = _Origin(url)

@@ -21,6 +21,8 @@ from stages.serve.proxy.state import ProxyState
 # Client headers worth carrying to the workers. Not Authorization: the client's key is the
 # proxy's to check, and workers get the proxy's own key (upstream.worker_headers).
 _FORWARDED = ("traceparent", "tracestate")
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,9 @@ def request_context(
             headers[name] = value
     return RequestContext(
         state=state,
-        path=request.scope["path"],  # request.url would parse the whole URL: CPU per request
+        # The route's own path, never the client's decoded one: a route pattern's "$" matches
+        # before a trailing line feed, so "/v1/completions%0A" is routed here too.
+        path=CHAT_PATH if chat else COMPLETIONS_PATH,
         chat=chat,
         request_id=request_id,
         legs=plan_legs(body, chat, lax_json),
