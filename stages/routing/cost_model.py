@@ -12,7 +12,8 @@ the per-layer cost paid whatever the experts (gate, dispatch). A fit cannot tell
 it to state the per-layer MoE ratio they reproduce.
 
 Prefill (one request at a time on a prefill worker): ``prefill_base_s + prefill_per_token_s *
-prompt_tokens``.
+prompt_tokens``, counting only the tokens its prefix cache lacks. KV hand-off: a decode worker
+pulls the prompt tokens it lacks at ``kv_transfer_per_token_s`` each.
 
 ``core_sharing``: decode workers bound to the measured worker's cores while it was measured
 (``eldr bench --engine-cost`` on workers sharing a core). vLLM's PD workers each keep their
@@ -47,6 +48,8 @@ class CostModel:
     moe_fixed_s: float = 0.0
     prefill_base_s: float = 0.010
     prefill_per_token_s: float = 0.0001
+    # A decode worker pulling a prompt's KV from its prefill worker (NIXL), per token it lacks.
+    kv_transfer_per_token_s: float = 5e-6
     name: str = "custom"
     core_sharing: int = 1  # decode workers bound to the measured worker's cores
 
@@ -209,6 +212,9 @@ def gpu_like(num_layers: int, num_experts: int) -> CostModel:
         moe_fixed_s=fixed_per_b * per_expert,
         prefill_base_s=10e-3,
         prefill_per_token_s=80e-6,
+        # Qwen3-30B-A3B's KV: 48 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes = 98 KB a
+        # token, over RDMA at ~25 GB/s.
+        kv_transfer_per_token_s=4e-6,
         name="gpu-like",
     )
 
@@ -228,6 +234,7 @@ def cpu_like(num_layers: int) -> CostModel:
         moe_fixed_s=3.8e-3,
         prefill_base_s=20e-3,
         prefill_per_token_s=1e-3,
+        kv_transfer_per_token_s=20e-6,
         name="cpu-like",
     )
 

@@ -12,9 +12,10 @@ from typing import Any
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.params import build_params
-from stages.routing.policies.base import DecodePolicy, RoutingRequest
+from stages.routing.policies.base import DecodePolicy, PrefillRequest, RoutingRequest
 from stages.routing.policies.eldr import EldrParams, EldrPolicy
 from stages.routing.policies.eldr_bounded import EldrBoundedParams, EldrBoundedPolicy
+from stages.routing.policies.eldr_kv import EldrKvPolicy, KVParams
 from stages.routing.policies.eldr_union import EldrUnionPolicy, UnionParams
 from stages.routing.policies.jsq import JsqPolicy
 from stages.routing.policies.p2c import PowerOfTwoPolicy
@@ -24,7 +25,7 @@ from stages.routing.policies.round_robin import RoundRobinPolicy
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls
     for cls in (
-        EldrPolicy, EldrBoundedPolicy, EldrUnionPolicy, RoundRobinPolicy, JsqPolicy,
+        EldrPolicy, EldrBoundedPolicy, EldrUnionPolicy, EldrKvPolicy, RoundRobinPolicy, JsqPolicy,
         RandomPolicy, PowerOfTwoPolicy,
     )
 }
@@ -65,7 +66,21 @@ def reads_signatures(name: str) -> bool:
 
 
 __all__ = [
-    "POLICIES", "DecodePolicy", "EldrBoundedParams", "EldrBoundedPolicy", "EldrParams",
-    "EldrPolicy", "EldrUnionPolicy", "RoutingRequest", "UnionParams",
-    "make_policy", "needs_centroids", "policy_class", "policy_params", "reads_signatures",
+    "POLICIES",
+    "DecodePolicy",
+    "EldrBoundedParams",
+    "EldrBoundedPolicy",
+    "EldrKvPolicy",
+    "EldrParams",
+    "EldrPolicy",
+    "EldrUnionPolicy",
+    "KVParams",
+    "PrefillRequest",
+    "RoutingRequest",
+    "UnionParams",
+    "make_policy",
+    "needs_centroids",
+    "policy_class",
+    "policy_params",
+    "reads_signatures",
 ]

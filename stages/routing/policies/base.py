@@ -31,6 +31,22 @@ class RoutingRequest(NamedTuple):
     # int [L, E] prefill signature as sent, or None if missing (``stages.routing.inputs``: an
     # all-zero table is missing)
     counts: np.ndarray | None = None
+    # The KV a decode worker already holds (KV-aware policies): the prompt's length in tokens
+    # (0: unknown), the prompt tokens each worker holds as a cached prefix (None: unknown), and
+    # the output tokens the request asks for (0: unknown).
+    prompt_tokens: int = 0
+    cached_tokens: np.ndarray | None = None
+    output_tokens: int = 0
+
+
+class PrefillRequest(NamedTuple):
+    """What a policy that also routes prefill sees of the prefill workers."""
+
+    loads: np.ndarray  # int64 [P]: requests in flight per prefill worker
+    eligible: np.ndarray  # bool [P]
+    prompt_tokens: int
+    cached_tokens: np.ndarray  # int64 [P]: prompt tokens each holds as a cached prefix
+    queued_tokens: np.ndarray  # int64 [P]: prompt tokens each has yet to compute
 
 
 class DecodePolicy(ABC):
@@ -62,6 +78,11 @@ class DecodePolicy(ABC):
         self, worker: int, request: RoutingRequest, key: Hashable
     ) -> None:
         """Called once the request was sent to ``worker``; ``key`` names it until it ends."""
+
+    def choose_prefill(self, request: PrefillRequest) -> int | None:
+        """The prefill worker for a request whose prompt's blocks are known, or None to leave
+        prefill to the proxy's prefix hash (every policy but the KV-aware ones)."""
+        return None
 
     def on_complete(self, worker: int, key: Hashable) -> None:  # noqa: B027
         """Called when request ``key`` on ``worker`` finished (success or failure). A key this

@@ -1,0 +1,95 @@
+"""A request's prompt as the token ids its worker will run, for matching KV blocks.
+
+vLLM tokenizes a completion's text prompt with the model's tokenizer, special tokens added
+unless the request says ``add_special_tokens: false``; a chat request's messages go through the
+model's chat template with the generation prompt added and are tokenized by it
+(``apply_chat_template(tokenize=True)``, no special tokens added beyond the template's). A
+request this cannot reproduce exactly (images, tools, a template or template options of its
+own, a LoRA adapter) gets ``None``: it is routed without KV matching rather than on a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from stages.errors import EldrError
+
+# Chat fields that change the rendered prompt in ways only vLLM's own renderer reproduces.
+_CHAT_UNSUPPORTED = ("tools", "chat_template", "chat_template_kwargs", "documents",
+                     "continue_final_message", "mm_processor_kwargs")
+
+
+class PromptTokenizer:
+    def __init__(self, model: str) -> None:
+        """``model``: what the workers were given as ``--model`` (a directory or hub id)."""
+        try:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError) as exc:
+            raise EldrError(f"cannot load the tokenizer of {model!r} for KV-aware routing:"
+                            f" {exc}") from None
+        self.model = model
+
+    def completion(self, body: dict[str, Any]) -> list[int] | None:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]  # one prompt in a list is the same request
+        if isinstance(prompt, str):
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                return None
+            return list(self._tok.encode(prompt, add_special_tokens=special))
+        if _token_ids(prompt):
+            return list(prompt)
+        return None
+
+    def chat(self, body: dict[str, Any]) -> list[int] | None:
+        if any(body.get(name) not in (None, False, []) for name in _CHAT_UNSUPPORTED):
+            return None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        conversation = []
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                return None
+            content = _text(message.get("content"))
+            if content is None or set(message) - {"role", "content", "name"}:
+                return None
+            conversation.append({**message, "content": content})
+        generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(generation_prompt, bool) or body.get("add_special_tokens"):
+            return None
+        from jinja2 import TemplateError
+
+        try:
+            ids = self._tok.apply_chat_template(
+                conversation, add_generation_prompt=generation_prompt, tokenize=True,
+                return_dict=False,
+            )
+        except (TemplateError, ValueError):
+            return None  # the template refuses this input: the worker will answer why
+        return list(ids) if _token_ids(ids) else None
+
+
+def _token_ids(value: object) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str | bytes) and len(value) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _text(content: object) -> str | None:
+    """Message content as vLLM's string content format renders it: text parts joined by a
+    newline; any other part (an image, audio) is not reproduced here."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            return None
+        parts.append(part["text"])
+    return "\n".join(parts)

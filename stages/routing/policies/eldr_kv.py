@@ -1,0 +1,117 @@
+"""KV-aware on both legs, expert-aware on decode ("eldr-kv"): one objective in seconds.
+
+Prefill goes to the worker that would have the prompt's KV ready first: its queue plus the
+prompt tokens its prefix cache lacks, at the engine's prefill time per token
+(``scorers.prefill_queue``). Decode goes to the worker where the request costs the cluster
+least over its life: the KV it must pull for the prompt tokens it lacks (``scorers.kv_pull``),
+plus, per output token, eldr-union's step-time increase for the experts it adds and the batch
+slot it takes (``scorers.load`` when its signature is unknown). Filters are eldr-union's: a
+worker may hold at most ``max(1, load_slack x mean)`` more requests than the least loaded, and
+a full worker is skipped while another has room.
+
+A worker's KV that the proxy cannot vouch for (events silent or undecodable) counts as empty,
+so it is priced on load and experts alone. Without KV knowledge at all (no events, a prompt
+that cannot be tokenized as the worker does) eldr-kv is eldr-union.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from stages.routing.context import RoutingContext
+from stages.routing.cost_model import CostModel, cost_model_for, gpu_like
+from stages.routing.params import ParamError, option
+from stages.routing.policies.base import PrefillRequest, RoutingRequest
+from stages.routing.policies.eldr_union import EldrUnionPolicy, UnionParams
+from stages.routing.policies.select import eligible_indices
+from stages.routing.scorers.kv_pull import kv_pull_s
+from stages.routing.scorers.load import added_step_s
+from stages.routing.scorers.prefill_queue import prefill_ready_s
+
+# When a request sets no max_tokens: what a chat answer runs to, roughly.
+DEFAULT_OUTPUT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class KVParams(UnionParams):
+    output_tokens: int = option(DEFAULT_OUTPUT_TOKENS, "output tokens a request is expected to"
+                                " decode when it sets no max_tokens (weighs per-step costs"
+                                " against the one-off KV pull)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.output_tokens < 1:
+            raise ParamError("output_tokens", f"output_tokens must be >= 1, got"
+                             f" {self.output_tokens}")
+
+
+class EldrKvPolicy(EldrUnionPolicy):
+    name: ClassVar[str] = "eldr-kv"
+    Params: ClassVar[type[KVParams]] = KVParams
+    params: KVParams
+
+    def __init__(self, context: RoutingContext, params: KVParams | None = None) -> None:
+        super().__init__(context, params)
+        self._total = np.zeros(self.num_workers)
+        self._cost_for: tuple[int, int] | None = None
+        self._cost: CostModel | None = None
+
+    def _costs(self) -> CostModel:
+        """The engine's costs: eldr-union's step model once a signature told the model's
+        shape (its prefill and transfer terms alike), else the preset or file alone."""
+        if self._cost is None or self._cost_for != self._shape:
+            if self._shape is not None:
+                self._cost = self.params.step_cost(self.cost, *self._shape)
+            elif self.params.cost:  # the model's shape is not known yet: prefill terms only
+                self._cost = cost_model_for(self.params.cost, 1, 8)
+            else:
+                self._cost = self.cost or gpu_like(1, 8)
+            self._cost_for = self._shape
+        return self._cost
+
+    # --- prefill ---
+
+    def choose_prefill(self, request: PrefillRequest) -> int:
+        ready = prefill_ready_s(request.prompt_tokens, request.cached_tokens,
+                                request.queued_tokens, request.loads, self._costs())
+        return _cheapest(ready, request.eligible, self.rng)
+
+    # --- decode ---
+
+    def choose(self, request: RoutingRequest) -> int:
+        loads, eligible = request.loads, request.eligible
+        tokens = request.output_tokens or self.params.output_tokens
+        pi = self._predict(request)
+        total = self._total
+        if pi is not None:
+            ties, _ = self._score(request, pi, self.params.load_slack)
+            if ties == 0:  # every healthy worker full: the shortest queue drains first
+                return super().choose(request)
+            np.multiply(self._latency, tokens, out=total)
+        else:
+            # Experts unknown: any constant count shifts every worker's step alike.
+            total[:] = tokens * added_step_s(loads, self._costs(), distinct=0.0)
+            total[~self._admits(loads, eligible)] = np.inf
+        total += kv_pull_s(request.prompt_tokens, request.cached_tokens,
+                           self._costs().kv_transfer_per_token_s)
+        return _cheapest(total, eligible, self.rng)
+
+    def _admits(self, loads: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+        """eldr-union's filters for a request without a signature."""
+        idx = eligible_indices(eligible)
+        floor = loads[idx].min()
+        slack = max(1.0, self.params.load_slack * float(loads[idx].mean()))
+        ok = eligible & (loads <= floor + slack)
+        if self.worker_slots is not None and (ok & (loads < self.worker_slots)).any():
+            ok &= loads < self.worker_slots
+        return ok
+
+
+def _cheapest(seconds: np.ndarray, eligible: np.ndarray, rng: np.random.Generator) -> int:
+    idx = eligible_indices(eligible)
+    sub = seconds[idx]
+    best = idx[sub <= sub.min() * (1.0 + 1e-9)]  # every one filtered out (inf): any of them
+    return int(best[rng.integers(best.size)]) if best.size > 1 else int(best[0])

@@ -1,0 +1,63 @@
+"""eldr-kv: the KV a worker holds, priced against its load and its experts in one objective."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stages.routing.context import RoutingContext
+from stages.routing.policies import PrefillRequest, RoutingRequest, make_policy
+
+ALL = np.ones(3, dtype=bool)
+
+
+def _policy(**params: object):
+    return make_policy("eldr-kv", RoutingContext(3, seed=0, top_k=2), {"cost": "gpu", **params})
+
+
+def test_decode_goes_where_the_history_is_when_loads_are_equal() -> None:
+    policy = _policy()
+    request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL, prompt_tokens=4096,
+                             cached_tokens=np.array([0, 3968, 512]), output_tokens=64)
+    assert policy.choose(request) == 1
+
+
+def test_a_loaded_holder_loses_to_a_free_worker_when_the_pull_is_cheap() -> None:
+    policy = _policy()
+    loads = np.array([0, 6, 0], dtype=np.int64)
+    request = RoutingRequest(loads=loads, eligible=ALL, prompt_tokens=256,
+                             cached_tokens=np.array([0, 256, 0]), output_tokens=256)
+    assert policy.choose(request) in (0, 2)
+
+
+def test_experts_still_count_when_kv_is_equal() -> None:
+    """With a signature and no KV difference, eldr-kv chooses as eldr-union does."""
+    rng = np.random.default_rng(1)
+    union = make_policy("eldr-union", RoutingContext(3, seed=0, top_k=2), {"cost": "gpu"})
+    kv = _policy()
+    loads = np.zeros(3, dtype=np.int64)
+    for key in range(12):
+        counts = rng.integers(0, 5, size=(4, 16)).astype(np.int16)
+        request = RoutingRequest(loads=loads.copy(), eligible=ALL, counts=counts)
+        a, b = union.choose(request), kv.choose(request)
+        assert a == b
+        union.on_dispatch(a, request, key)
+        kv.on_dispatch(a, request, key)
+        loads[a] += 1
+
+
+def test_prefill_prices_the_uncached_tokens_against_the_queue() -> None:
+    policy = _policy()
+    request = PrefillRequest(loads=np.array([0, 0]), eligible=np.ones(2, dtype=bool),
+                             prompt_tokens=2000, cached_tokens=np.array([0, 1920]),
+                             queued_tokens=np.array([0, 0]))
+    assert policy.choose_prefill(request) == 1
+    busy = request._replace(loads=np.array([0, 4]), queued_tokens=np.array([0, 8000]))
+    assert policy.choose_prefill(busy) == 0
+
+
+def test_full_workers_are_skipped_while_another_has_room() -> None:
+    policy = make_policy("eldr-kv", RoutingContext(3, seed=0, top_k=2, worker_slots=2),
+                         {"cost": "gpu"})
+    request = RoutingRequest(loads=np.array([2, 0, 1], dtype=np.int64), eligible=ALL,
+                             prompt_tokens=4096, cached_tokens=np.array([4096, 0, 0]))
+    assert policy.choose(request) != 0
