@@ -90,13 +90,15 @@ def serve(
         show_default=False)] = None,
     api_key: Annotated[str | None, typer.Option(
         envvar=["ELDR_API_KEY", "VLLM_API_KEY"], help="Key clients must send (Authorization:"
-        " Bearer) on /v1 and /admin routes, as vLLM's --api-key.", show_default=False)] = None,
+        " Bearer) on /v1 routes, as vLLM's --api-key; it does not open /admin.",
+        show_default=False)] = None,
     insecure: Annotated[bool, typer.Option(
         "--insecure", help="Serve /v1 with no API key on an address other machines reach"
         " (refused otherwise); /admin stays locked without --admin-api-key.")] = False,
     admin_api_key: Annotated[str | None, typer.Option(
-        envvar="ELDR_ADMIN_API_KEY", help="A separate key for the /admin routes (policy and"
-        " artifact switches). Default: --api-key.", show_default=False)] = None,
+        envvar="ELDR_ADMIN_API_KEY", help="The key for the /admin routes (policy and"
+        " artifact switches). Without it /admin answers 403 once --api-key is set.",
+        show_default=False)] = None,
     worker_api_key: Annotated[str | None, typer.Option(
         envvar="ELDR_WORKER_API_KEY", help="Key the proxy sends to attached workers started"
         " with vLLM's --api-key.", show_default=False)] = None,

@@ -13,8 +13,9 @@ def worker_args(
     role: Annotated[str, typer.Argument(help="prefill, decode, or plain (no PD hand-off).")]
     = "decode",
     publish_batch: Annotated[str | None, typer.Option(
-        help="decode: publish the running batch on this ZMQ endpoint (e.g. tcp://*:5600), for"
-        " several proxies in front of the worker (eldr serve --attach-batch).",
+        help="decode: publish the running batch on this ZMQ endpoint (e.g."
+        " tcp://10.0.0.5:5600, a private address: every request id and signature goes out on"
+        " it), for several proxies in front of the worker (eldr serve --attach-batch).",
         show_default=False)] = None,
 ) -> None:
     """Print the `vllm serve` flags that make a worker record signatures for eldr (use with

@@ -20,12 +20,17 @@ from starlette.testclient import TestClient
 
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
-from stages.serve.proxy.auth import ADMIN_LOCKED, ApiKeyMiddleware, check_exposure
+from stages.serve.proxy.auth import (
+    ADMIN_LOCKED,
+    ADMIN_NEEDS_ITS_OWN_KEY,
+    ApiKeyMiddleware,
+    check_exposure,
+)
 from stages.serve.proxy.config import ProxyConfig
 from tests.fakes.artifact import domain_artifact
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 
-API_KEY, WORKER_KEY = "client-key-123", "worker-key-456"
+API_KEY, WORKER_KEY, ADMIN_KEY = "client-key-123", "worker-key-456", "admin-key-789"
 UNAUTHORIZED = {"error": "Unauthorized"}
 
 # Every guarded route with a request it accepts: (method, path, json body).
@@ -47,6 +52,7 @@ WRONG_AUTH = {
     "no-scheme": API_KEY,
     "basic-scheme": f"Basic {API_KEY}",
     "worker-key": f"Bearer {WORKER_KEY}",
+    "the-other-routes-key": "the other",
     "extra-space": f"Bearer  {API_KEY}",
 }
 
@@ -73,6 +79,7 @@ def proxy() -> Iterator[Proxy]:
         model="fake-model",
         health_interval_s=0.05,
         api_key=API_KEY,
+        admin_api_key=ADMIN_KEY,
         worker_api_key=WORKER_KEY,
     )
     app = create_app(config, artifact_loader=lambda root, v: domain_artifact(1, version=v))
@@ -96,6 +103,8 @@ def env(proxy: Proxy) -> Proxy:
 def test_guarded_route_refuses(
     env: Proxy, method: str, path: str, body: object, auth: str | None
 ) -> None:
+    if auth == "the other":  # the inference key on /admin, the admin key on /v1
+        auth = f"Bearer {API_KEY if path.startswith('/admin') else ADMIN_KEY}"
     r = env.send(method, path, body, auth)
     assert r.status_code == 401
     assert r.headers["content-type"] == "application/json"
@@ -108,7 +117,8 @@ def test_guarded_route_refuses(
 def test_guarded_route_accepts_the_key(
     env: Proxy, method: str, path: str, body: object, scheme: str
 ) -> None:
-    r = env.send(method, path, body, f"{scheme} {API_KEY}")
+    key = ADMIN_KEY if path.startswith("/admin") else API_KEY
+    r = env.send(method, path, body, f"{scheme} {key}")
     assert r.is_success, r.text
 
 
@@ -170,9 +180,9 @@ def statuses(client: TestClient, key: str | None) -> tuple[int, int, int]:
 @pytest.mark.parametrize(
     ("api_key", "admin_key", "sent", "expected"),
     [
-        # the api key opens both when there is no admin key
-        ("api", None, "api", (200, 200, 200)),
-        ("api", None, None, (401, 401, 200)),
+        # an inference key never opens /admin: with no admin key it is refused to all
+        ("api", None, "api", (200, 403, 200)),
+        ("api", None, None, (401, 403, 200)),
         # the admin key, when set, is the only one for /admin, and opens nothing else
         ("api", "adm", "api", (200, 401, 200)),
         ("api", "adm", "adm", (401, 200, 200)),
@@ -195,9 +205,9 @@ def test_which_key_opens_which_route(
     [
         # beyond loopback with no key at all (--insecure): /v1 open, /admin locked
         (None, None, None, (200, 403, 200)),
-        # the api key still opens /admin where no admin key is set
-        ("api", None, "api", (200, 200, 200)),
-        ("api", None, None, (401, 401, 200)),
+        # the api key does not open /admin where no admin key is set
+        ("api", None, "api", (200, 403, 200)),
+        ("api", None, None, (401, 403, 200)),
         (None, "adm", "adm", (200, 200, 200)),
         (None, "adm", None, (200, 401, 200)),
     ],
@@ -208,7 +218,21 @@ def test_admin_beyond_loopback_needs_a_key(
     with key_app(api_key, admin_key, locked=True) as client:
         assert statuses(client, sent) == expected
         if expected[1] == 403:
-            assert client.get("/admin/x").json() == {"error": ADMIN_LOCKED}
+            locked = ADMIN_LOCKED if api_key is None else ADMIN_NEEDS_ITS_OWN_KEY
+            assert client.get("/admin/x").json() == {"error": locked}
+
+
+def test_an_inference_key_alone_leaves_admin_refused_with_the_reason() -> None:
+    """Every client holding the inference key could otherwise re-route all traffic and write
+    cost files on the proxy's disk."""
+    config = ProxyConfig(prefill_urls=("http://p",), decode_urls=("http://d",), policy="rr",
+                         api_key=API_KEY)
+    with TestClient(create_app(config)) as client:
+        r = client.post("/admin/policy", json={"policy": "jsq"},
+                        headers={"authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]
+        assert client.get("/admin/state", headers={"authorization": f"Bearer {API_KEY}"}
+                          ).status_code == 403
 
 
 def test_no_key_configured_adds_no_check_on_loopback_only() -> None:
@@ -276,3 +300,43 @@ def test_an_exposed_proxy_without_a_key_is_refused_unless_insecure(
     assert (text is not None) == exposed
     if text is not None:
         assert "--insecure" in text and repr(host) in text
+
+
+# --- what an admin client may write, and what workers publish ------------------------------
+
+
+def test_inline_cost_models_are_bounded_in_size_and_count(tmp_path: Path) -> None:
+    from stages.routing.cost_model import cpu_like
+    from stages.serve.proxy.admin_cost import MAX_INLINE_BYTES, MAX_INLINE_FILES, client_cost
+
+    model = cpu_like(4).to_json()
+    huge = {**model, "name": "x" * MAX_INLINE_BYTES}
+    with pytest.raises(EldrError, match="bytes"):
+        client_cost({"cost": huge}, tmp_path)
+    assert not (tmp_path / "admin-costs").exists() or not any((tmp_path / "admin-costs").iterdir())
+    saved = [client_cost({"cost": {**model, "name": f"m{i}"}}, tmp_path)["cost"]
+             for i in range(MAX_INLINE_FILES)]
+    assert len(set(saved)) == MAX_INLINE_FILES
+    # One already kept is sent again: no new file, accepted.
+    assert client_cost({"cost": {**model, "name": "m0"}}, tmp_path)["cost"] == saved[0]
+    with pytest.raises(EldrError, match=f"{MAX_INLINE_FILES} inline cost models"):
+        client_cost({"cost": {**model, "name": "one-more"}}, tmp_path)
+    assert len(list((tmp_path / "admin-costs").iterdir())) == MAX_INLINE_FILES
+
+
+@pytest.mark.parametrize(("host", "warned"), [("*", True), ("0.0.0.0", True), ("[::]", True),
+                                              ("127.0.0.1", False)])
+def test_a_batch_publisher_on_every_interface_warns(
+    host: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stages.capture.batch_publisher import BatchPublisher
+    from tests.conftest import free_port
+
+    endpoint = f"tcp://{host}:{free_port()}"
+    with caplog.at_level("WARNING", logger="stages.capture.batch_publisher"):
+        publisher = BatchPublisher(endpoint)
+        publisher.close()
+    warnings = [r.getMessage() for r in caplog.records if "every interface" in r.getMessage()]
+    assert bool(warnings) == warned, warnings
+    if warned:
+        assert endpoint in warnings[0] and "127.0.0.1" in warnings[0]

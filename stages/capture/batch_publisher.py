@@ -27,6 +27,11 @@ request (``signatures``): every proxy can then weigh the experts of the requests
 sent, not only their number. Sent once, not with every message: a signature is up to 16 KiB of
 base64. A message lost on the way loses the signatures it carried, and those requests count as
 load only for the proxies that missed it.
+
+What is published (every request's id, and its prompt's signature) is for the proxies only:
+bind a loopback or private address (``eldr serve`` binds its workers' on 127.0.0.1). An
+endpoint on every interface (``tcp://*:port``, ``0.0.0.0``, ``[::]``) is allowed, told
+otherwise, with a warning.
 """
 
 from __future__ import annotations
@@ -134,6 +139,16 @@ class BatchMessage:
                    signatures)
 
 
+_EVERY_INTERFACE = frozenset({"*", "0.0.0.0", "::", "[::]", "[*]"})
+
+
+def binds_every_interface(endpoint: str) -> bool:
+    """Whether a ZMQ ``tcp://`` endpoint binds every interface of the machine."""
+    scheme, _, address = endpoint.partition("://")
+    host = address.rpartition(":")[0]
+    return scheme == "tcp" and host in _EVERY_INTERFACE
+
+
 def request_name(request_id: str, kv_transfer_params: dict[str, Any] | None) -> str:
     """The name a proxy knows a request by: its tag, else vLLM's id."""
     tag = (kv_transfer_params or {}).get(REQUEST_TAG)
@@ -141,7 +156,8 @@ def request_name(request_id: str, kv_transfer_params: dict[str, Any] | None) -> 
 
 
 class BatchPublisher:
-    """Publishes the set of requests a decode worker holds on ``endpoint`` (``tcp://*:port``)."""
+    """Publishes the set of requests a decode worker holds on ``endpoint``
+    (``tcp://127.0.0.1:port``)."""
 
     def __init__(self, endpoint: str, min_interval_s: float = 0.005,
                  heartbeat_s: float = 0.5, max_pending: int = 4096) -> None:
@@ -160,7 +176,13 @@ class BatchPublisher:
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 16)  # a slow subscriber gets the latest, not a queue
+        if "://[" in endpoint:
+            self._socket.setsockopt(zmq.IPV6, 1)
         self._socket.bind(endpoint)
+        if binds_every_interface(endpoint):
+            log.warning("eldr: the batch publisher binds %s, every interface: anyone who reaches"
+                        " the port sees every request's id and prompt signature; bind"
+                        " tcp://127.0.0.1:PORT or a private address", endpoint)
         self._thread = threading.Thread(target=self._run, name="eldr-batch-publisher",
                                         daemon=True)
         self._thread.start()

@@ -3,9 +3,11 @@
 vLLM (``vllm/entrypoints/serve/middleware/authenticate.py``) guards every path under ``/v1``
 with ``Authorization: Bearer <key>``, skips ``OPTIONS`` (CORS preflights) and everything else
 (``/health``, ``/metrics``, ``/version``), and refuses with ``401 {"error": "Unauthorized"}``.
-The proxy does the same and guards ``/admin`` too, which can re-route all traffic: with no
-admin key, ``/admin`` is open only to a proxy that listens on loopback, and answers 403 on any
-other address.
+The proxy does the same and guards ``/admin`` too, which can re-route all traffic and write
+cost files under the eldr home: ``/admin`` takes ``--admin-api-key`` and no other key. With no
+admin key it answers 403 whenever an inference key is set (a client holding the inference key
+is not an operator) or the proxy listens beyond loopback; only a loopback proxy with no key at
+all leaves it open.
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ def bearer_matches(headers: Headers, expected: bytes) -> bool:
 
 ADMIN_LOCKED = (
     "the admin API is locked: this proxy listens beyond loopback and has no admin key; start"
-    " eldr serve with --admin-api-key (or --api-key) to use it"
+    " eldr serve with --admin-api-key to use it"
+)
+
+ADMIN_NEEDS_ITS_OWN_KEY = (
+    "the admin API needs its own key: this proxy has an inference key (--api-key) and no"
+    " --admin-api-key, and an inference key does not open /admin; start eldr serve with"
+    " --admin-api-key to use it"
 )
 
 
@@ -54,9 +62,13 @@ class ApiKeyMiddleware:
                  admin_locked: bool = False) -> None:
         self.app = app
         self._api = _digest(api_key) if api_key is not None else None
-        admin = admin_api_key if admin_api_key is not None else api_key
-        self._admin = _digest(admin) if admin is not None else None
-        self._admin_locked = admin_locked and admin is None
+        self._admin = _digest(admin_api_key) if admin_api_key is not None else None
+        # Why /admin is refused to everyone (None: it is not).
+        self._admin_refusal: str | None = None
+        if admin_api_key is None and api_key is not None:
+            self._admin_refusal = ADMIN_NEEDS_ITS_OWN_KEY
+        elif admin_api_key is None and admin_locked:
+            self._admin_refusal = ADMIN_LOCKED
 
     def _expected(self, path: str) -> bytes | None:
         if path.startswith(_ADMIN_PREFIX):
@@ -70,8 +82,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if self._admin_locked and path.startswith(_ADMIN_PREFIX):
-            await JSONResponse({"error": ADMIN_LOCKED}, status_code=403)(scope, receive, send)
+        if self._admin_refusal is not None and path.startswith(_ADMIN_PREFIX):
+            await JSONResponse({"error": self._admin_refusal}, status_code=403)(
+                scope, receive, send)
             return
         expected = self._expected(path)
         if expected is None or bearer_matches(Headers(scope=scope), expected):

@@ -86,10 +86,10 @@ class ProxyConfig:
     # Append the requests routed to a signature dataset (`eldr serve --record`); needs every
     # decode worker's batch endpoint (the workers measure and publish each request's decode).
     record: RecordConfig | None = None
-    # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and /admin/*, and
-    # `admin_api_key` (when set, instead of `api_key`) on /admin/*. `worker_api_key` is what the
-    # proxy sends to its workers; a client's own key is never passed on. Kept out of repr so a
-    # logged config never shows them.
+    # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and
+    # `admin_api_key` on /admin/* (refused, with api_key and no admin_api_key). `worker_api_key`
+    # is what the proxy sends to its workers; a client's own key is never passed on. Kept out
+    # of repr so a logged config never shows them.
     api_key: str | None = field(default=None, repr=False)
     admin_api_key: str | None = field(default=None, repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
