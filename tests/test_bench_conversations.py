@@ -1,0 +1,170 @@
+"""The live conversation bench against fake OpenAI servers: a router driven as it is (no admin
+calls), turns sent with the real answers in their history, the workers' counters read as
+deltas per run, and the CLI's options and refusals."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from typer.testing import CliRunner
+
+from eldr_cli.app import app
+from stages.bench.live.cache_counters import block_size_of, cache_counters
+from stages.bench.live.targets import bench_targets, parse_router
+from stages.errors import EldrError
+from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+
+runner = CliRunner()
+
+METRICS_PAGE = """# HELP vllm:prefix_cache_queries Prefix cache queries.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="tiny"}} {queries}
+vllm:prefix_cache_hits_total{{engine="0",model_name="tiny"}} {hits}
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="local_compute"}} 5.0
+vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="external_kv_transfer"}} \
+{pulled}
+vllm:cache_config_info{{block_size="32",cache_dtype="auto",engine="0"}} 1.0
+"""
+
+
+def counting_worker(behavior: FakeBehavior) -> Starlette:
+    """A worker's /metrics whose counters grow by 100 queries, 60 hits and 40 pulled tokens
+    with each request the router served."""
+
+    async def metrics(request: Request) -> PlainTextResponse:
+        n = len(behavior.received)
+        return PlainTextResponse(METRICS_PAGE.format(queries=100.0 * n, hits=60.0 * n,
+                                                     pulled=40.0 * n))
+
+    return Starlette(routes=[Route("/metrics", metrics)])
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[BackgroundServer, FakeBehavior]]:
+    behavior = FakeBehavior(name="router")
+    with BackgroundServer(create_fake_worker(behavior)) as server:
+        yield server, behavior
+
+
+@pytest.fixture
+def worker(router: tuple[BackgroundServer, FakeBehavior]) -> Iterator[BackgroundServer]:
+    with BackgroundServer(counting_worker(router[1])) as server:
+        yield server
+
+
+def test_counters_are_read_by_source_and_summed_over_engines() -> None:
+    page = METRICS_PAGE.format(queries=100.0, hits=64.0, pulled=50.0)
+    page += 'vllm:prefix_cache_queries_total{engine="1",model_name="tiny"} 20.0\n'
+    counters = cache_counters(page)
+    assert (counters.queries, counters.hits, counters.external_tokens) == (120.0, 64.0, 50.0)
+    assert counters.computed_tokens == 5.0 and math.isnan(counters.local_hit_tokens)
+    assert block_size_of(page) == 32
+    # A worker that exports none: NaN, never a perfect 0.
+    assert math.isnan(cache_counters("up 1\n").hit_share)
+    with pytest.raises(EldrError, match="not Prometheus text"):
+        cache_counters('vllm:prefix_cache_hits_total{engine="0"} many\n')
+
+
+def test_routers_are_named_and_unique() -> None:
+    assert parse_router("vllm-router=http://h:1/").url == "http://h:1"
+    with pytest.raises(EldrError, match="NAME=URL"):
+        parse_router("http://h:1")
+    with pytest.raises(EldrError, match="named twice"):
+        bench_targets("http://p", ["rr"], ["rr=http://h:1"])
+    targets = bench_targets("http://p", ["rr"], ["vr=http://h:1"])
+    assert [(t.name, t.switches_policy) for t in targets] == [("rr", True), ("vr", False)]
+
+
+def test_a_router_benches_conversations_with_their_real_answers(
+    router: tuple[BackgroundServer, FakeBehavior], worker: BackgroundServer, tmp_path: Path,
+) -> None:
+    server, behavior = router
+    result = runner.invoke(app, [
+        "bench", "--workload", "conversations", "--router", f"fake={server.url}",
+        "--conversations", "3", "--turns", "3", "--rounds", "2", "--think-time", "0",
+        "--max-tokens", "5", "--system-tokens", "64", "--message-tokens", "32",
+        "--prefill-urls", worker.url, "--decode-urls", worker.url,
+        "--result-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    # No admin call: the router was driven as it is, chat completions only.
+    assert {r.path for r in behavior.received} == {"/v1/chat/completions"}
+    assert len(behavior.received) == 3 * 3 * 2
+    by_conversation: dict[str, list[list[dict[str, str]]]] = {}
+    for r in behavior.received:
+        conv = r.headers["x-request-id"].rsplit("-t", 1)[0]
+        by_conversation.setdefault(conv, []).append(r.body["messages"])
+    for turns in by_conversation.values():
+        turns.sort(key=len)
+        # Turn k+1 = the system prompt, turn k's messages, the answer the server gave, a new
+        # message.
+        for earlier, later in itertools.pairwise(turns):
+            assert later[: len(earlier)] == earlier
+            assert later[len(earlier)] == {"role": "assistant", "content": "t0 t1 t2 t3 t4 "}
+    # Two rounds, each on its own system prompt.
+    systems = {turns[0][0]["content"] for turns in by_conversation.values()}
+    assert len(systems) == 2
+    doc = json.loads((tmp_path / "fake-conversations.json").read_text())
+    assert doc["completed"] == 18 and doc["failed"] == 0
+    assert sorted(doc["turns"]) == [1] * 6 + [2] * 6 + [3] * 6
+    assert doc["median_ttft_later_ms"] > 0 and doc["median_ttft_turn1_ms"] > 0
+    # Each run's counter deltas, summed over the runs: 18 requests.
+    assert doc["prefill_hit_share"] == pytest.approx(0.6)
+    assert doc["prefill_hit_share_by_worker"] == [pytest.approx(0.6)]
+    assert doc["decode_kv_pulled_tokens"] == pytest.approx(18 * 40.0)
+    assert doc["block_size"] == 32
+    assert 0 < doc["ideal_prefill_hit_share"] <= doc["ideal_history_hit_share"] < 1
+    assert "TTFT p50 t>=2" in result.output
+    assert "fake: prefill hit share per worker 0.60" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--router", "x=http://h:1"], "go with --workload"),
+    (["--workload", "sharegpt"], "needs the file"),
+    (["--workload", "chats"], "unknown --workload"),
+    (["--workload", "conversations", "--router", "bad"], "NAME=URL"),
+    (["--workload", "conversations", "--router", "x=http://h:1", "--system-tokens", "2000"],
+     "lower --system-tokens"),
+])
+def test_the_cli_refuses_a_bad_workload_plainly(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["bench", *args])
+    # The app's entry point turns an EldrError into its message and exit status 2.
+    assert isinstance(result.exception, EldrError), result.output
+    assert message in str(result.exception)
+
+
+def test_the_cli_passes_the_workload_options(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    import stages.bench.live.conversation_bench as conversation_bench
+
+    seen = {}
+
+    def fake_run(config, prefill, decode, block_size, result_dir, describe, echo):  # type: ignore[no-untyped-def]
+        seen.update(config=config, prefill=prefill, decode=decode, block_size=block_size)
+        return {}
+
+    monkeypatch.setattr(conversation_bench, "run_conversation_bench", fake_run)
+    sharegpt = tmp_path / "sg.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}]))
+    result = runner.invoke(app, [
+        "bench", "--workload", "sharegpt", str(sharegpt), "--policies", "rr",
+        "--router", "vr=http://h:9", "--turns", "4", "--think-time", "0.5",
+        "--max-concurrency", "5", "--block-size", "16", "--decode-urls", "http://d:1,http://d:2",
+        "--result-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    assert [(t.name, t.policy) for t in config.targets] == [("rr", "rr"), ("vr", None)]
+    assert (config.turns, config.think_time_s, config.max_concurrency) == (4, 0.5, 5)
+    assert seen["prefill"] is None and seen["decode"] == ("http://d:1", "http://d:2")
+    assert seen["block_size"] == 16
+    # The ShareGPT source salts every run's draw.
+    first = config.source(0, "salt-a")[0]
+    assert first.user_messages == ("hi",) and first.system.startswith("Session salt-a.")
