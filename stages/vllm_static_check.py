@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+from stages import vllm_touchpoints
 from stages.errors import EldrError
-from stages.vllm_touchpoints import TOUCHPOINTS, Check, Touchpoint
+from stages.vllm_touchpoints import Check, Touchpoint
 
 WHEEL_CACHE = Path.home() / ".cache" / "eldr" / "vllm-wheels"
 _MAX_DEPTH = 12  # re-export chains and base classes followed at most this far
@@ -389,7 +390,10 @@ class Checker:
                 return False, f"parameters missing: {', '.join(missing)} {where}"
         return True, "ok"
 
-    def run(self, touchpoints: Sequence[Touchpoint] = TOUCHPOINTS) -> list[Result]:
+    def run(self, touchpoints: Sequence[Touchpoint] | None = None) -> list[Result]:
+        """Every touchpoint (the list as it is now), or the given ones."""
+        if touchpoints is None:
+            touchpoints = vllm_touchpoints.TOUCHPOINTS
         return [self.check(tp) for tp in touchpoints]
 
 

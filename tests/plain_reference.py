@@ -2,8 +2,8 @@
 mode, no eldr connector) for a few prompts, computed once per test run.
 
 The engine runs in an environment where eldr's plugin refuses this vLLM release (a
-``sitecustomize`` narrows eldr's tested releases to one that does not exist, in every process
-vLLM spawns), so the same engine also shows that eldr installed beside vLLM never stops an
+``sitecustomize`` makes eldr's gate find it never run and lacking a touchpoint, in every
+process vLLM spawns), so the same engine also shows that eldr installed beside vLLM never stops an
 engine that does not record (``test_engine_guards_real.py``), and the run pays one engine
 start, not two.
 """
@@ -23,12 +23,19 @@ PROMPTS = [
 MAX_TOKENS = 12
 
 
+MISSING_TOUCHPOINT = "vllm.eldr_gone:Gone"
+
+
 def untested_release_env(root: Path) -> dict[str, str]:
-    """Environment variables under which eldr's plugin finds this vLLM release untested."""
+    """Environment variables under which eldr's gate refuses this vLLM release: it was never
+    run, and it lacks a touchpoint (one no release has, added in every process)."""
     shim = root / "shim"
     shim.mkdir(parents=True, exist_ok=True)
     (shim / "sitecustomize.py").write_text(
-        "import stages.vllm_compat as compat\ncompat.TESTED_MINORS = ('0.0',)\n"
+        "import stages.vllm_compat as compat\nimport stages.vllm_touchpoints as points\n"
+        "compat.RUN_MINORS = ()\n"
+        "points.TOUCHPOINTS = (*points.TOUCHPOINTS, points.Touchpoint("
+        f"{MISSING_TOUCHPOINT!r}, points.Check.NAME, 'nothing: a test'))\n"
     )
     return {"PYTHONPATH": f"{shim}:{REPO}"}
 

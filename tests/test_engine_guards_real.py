@@ -2,10 +2,10 @@
 an engine that does record refuses, at start and with the reason, what it cannot record right.
 
 eldr's plugin is loaded by every vLLM process of the environment. Here the release check is
-made to fail (a ``sitecustomize`` on the servers' PYTHONPATH narrows eldr's tested releases to
-one that does not exist, in every process vLLM spawns): a plain engine must still start and
-serve (the run's plain reference engine, tests.plain_reference, is that engine), and an
-engine with eldr's connector must refuse with the release named.
+made to fail (a ``sitecustomize`` on the servers' PYTHONPATH makes eldr's gate find this
+release never run and lacking a touchpoint, in every process vLLM spawns): a plain engine must
+still start and serve (the run's plain reference engine, tests.plain_reference, is that
+engine), and an engine with eldr's connector must refuse with the touchpoint named.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from stages.engine import ServerSpec, VllmServer
 from stages.errors import EldrError
 from tests.conftest import free_port, requires_vllm
-from tests.plain_reference import untested_release_env
+from tests.plain_reference import MISSING_TOUCHPOINT, untested_release_env
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -61,7 +61,8 @@ def test_a_plain_engine_serves_where_eldr_refuses_the_release(
     reference: dict[str, str] = request.getfixturevalue("plain_reference")
     assert reference and all(reference.values()), reference
     # The same environment, the same model, eldr's connector configured: refused at start.
-    assert "eldr's plugin is tested on vLLM 0.0.x only" in refusal_log(refusing["release"])
+    log = refusal_log(refusing["release"])
+    assert f"lacks what eldr's plugin relies on: {MISSING_TOUCHPOINT}" in log
 
 
 def test_pipeline_parallel_on_cpu_is_refused_at_start_by_name(
