@@ -77,6 +77,7 @@ def capture(
             if status is not None:
                 status("capture")
             try:
+                check_engine_records(engine, model)  # before anything is recorded
                 for batch in _batches(todo, config.batch_size):
                     dataset.append(_run_batch(engine, model, batch, config))
                     if progress is not None:
@@ -110,6 +111,18 @@ def _start_engine(model: ResolvedModel, config: CaptureConfig) -> Any:
         enforce_eager=config.enforce_eager,
         **extra,
     )
+
+
+def check_engine_records(engine: Any, model: ResolvedModel) -> None:
+    """The serve self-check on capture's own engine, before anything is recorded: its known
+    prompt must come back with a signature of the model's shape, every MoE layer counted."""
+    from vllm import SamplingParams
+
+    from stages.serve.proxy.self_check import PROBE_PROMPT, check_signature
+
+    probe = SamplingParams(max_tokens=1, temperature=0.0)
+    output = engine.generate([PROBE_PROMPT], probe, use_tqdm=False)[0]
+    check_signature("eldr capture's vLLM engine", output.kv_transfer_params, model.identity)
 
 
 def _stop_engine(engine: Any) -> None:

@@ -53,25 +53,34 @@ def check_answer(url: str, status: int, content: bytes, identity: ModelIdentity)
         ) from exc
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     params = params if isinstance(params, dict) else None
-    counts = wire.decode(params)
-    if counts is None:
+    if wire.decode(params) is None:
         raise EldrError(
             f"worker {url} returns no expert signature: start it with eldr installed and"
             f" --kv-transfer-config naming EldrSignatureConnector (see README, 'In front of"
             f" your vLLM workers'), or serve with a policy that reads none and"
             f" --skip-self-check"
         )
+    check_signature(f"worker {url}", params, identity)
+
+
+def check_signature(who: str, params: dict[str, Any] | None, identity: ModelIdentity) -> None:
+    """Raise an ``EldrError`` naming ``who`` unless ``params`` (an answer's
+    ``kv_transfer_params``) carry a signature of ``identity``'s shape and built MoE layers
+    with no layer left without a count. Also eldr capture's check of its engine."""
+    counts = wire.decode(params)
+    if counts is None:
+        raise EldrError(f"{who} returns no expert signature: is eldr installed where vLLM runs?")
     if counts.shape != identity.shape:
         raise EldrError(
-            f"worker {url} records signatures of shape {counts.shape}, but the served model"
+            f"{who} records signatures of shape {counts.shape}, but the served model"
             f" {identity.describe()} has {identity.shape}: is it serving another model?"
         )
     built = wire.decode_moe_layers(params)
     if built is not None:
-        check_built_layers(identity, built, f"worker {url}")
+        check_built_layers(identity, built, who)
     if len(wire.empty_layers(counts)):
         raise EldrError(
-            f"worker {url} returned an empty expert signature for its self-check prompt: its"
+            f"{who} returned an empty expert signature for its self-check prompt: its"
             " model runs without eldr's recording hook (a compile cache from a run without"
             " eldr, or a MoE kernel that routes inside the kernel). Restart it, or run it"
             " with --enforce-eager"
