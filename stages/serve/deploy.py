@@ -145,7 +145,7 @@ def plan(options: ServeOptions) -> ServePlan:
     from stages.serve.cluster.engine_args import check_recordable, engine_args
     from stages.serve.cluster.ports import check_free
     from stages.serve.proxy.auth import check_exposure
-    from stages.vllm_compat import check_vllm
+    from stages.vllm_compat import gate
 
     o = options
     o.check()
@@ -155,7 +155,10 @@ def plan(options: ServeOptions) -> ServePlan:
         check_recordable(extra_args, tp, on_cpu(), role)
     if not o.attach:
         require_process_ownership()
-        check_vllm()  # attached workers run their own vLLM: the self-check covers them
+        # Attached workers run their own vLLM: the self-check covers them. A release eldr's
+        # real tests did not run on serves with a warning; one missing a touchpoint is refused.
+        vllm_warning = gate().warning
+        warning = "; ".join(w for w in (warning, vllm_warning) if w) or None
     store = o.store or paths.default_artifact_store()
     model = resolve_model(o.model)
     prefill_model = None
