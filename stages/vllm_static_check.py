@@ -438,8 +438,10 @@ def report(results: Sequence[Result], label: str, verbose: bool) -> str:
     behaviours = sum(r.touchpoint.check is Check.BEHAVIOUR for r in results)
     bad = len(failures(results))
     checked = len(results) - behaviours
-    lines.append(f"{label}: {checked - bad}/{checked} touchpoints present, {bad} missing;"
-                 f" {behaviours} behaviours left to the run-time self-checks")
+    present = sum(r.ok for r in results) - behaviours
+    lines.append(f"{label}: {present}/{checked} touchpoints present, {bad} missing,"
+                 f" {checked - present - bad} optional absent; {behaviours} behaviours left to"
+                 " the run-time self-checks")
     return "\n".join(lines)
 
 
