@@ -50,6 +50,7 @@ def test_rows_past_the_commit_mark_are_trimmed(tmp_path: Path) -> None:
     dataset.append(_records(2))
     group = zarr.open_group(str(path), mode="r+")
     group["prefill_counts"].resize((3, 4, 16))  # as if killed after one array grew
+    dataset.close()
     reopened = SignatureDataset.create_or_open(path, TINY, "0.32.0")
     assert len(reopened) == 2
     assert zarr.open_group(str(path))["prefill_counts"].shape[0] == 2
@@ -79,3 +80,47 @@ def test_xarray_opens_the_store_through_consolidated_metadata(tmp_path: Path) ->
         ds = xr.open_zarr(path, consolidated=True)
     assert ds["prefill_counts"].shape == (5, 4, 16)
     assert ds["prefill_counts"].dims == ("request", "layer", "expert")
+
+
+_HOLD_WRITABLE = """
+import sys, time
+from pathlib import Path
+from stages.signature.dataset import SignatureDataset
+dataset = SignatureDataset.open(Path(sys.argv[1]), writable=True)
+print("open", flush=True)
+time.sleep(600)
+"""
+
+
+def test_one_writer_per_dataset_the_second_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """Each writable open trims rows past the commit mark: a second writer would cut the
+    first's append in half. Readers go on; the lock goes with its process, kill -9 included."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.zarr"
+    SignatureDataset.create_or_open(path, TINY, "0.32.0").append(_records(2))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_WRITABLE, str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        with pytest.raises(EldrError, match=f"process {holder.pid}"):
+            SignatureDataset.create_or_open(path, TINY, "0.32.0")
+        with pytest.raises(EldrError, match="one writer"):
+            SignatureDataset.open(path, writable=True)
+        assert len(SignatureDataset.open(path).read()) == 2  # a reader is not held up
+    finally:
+        holder.kill()
+        holder.wait()
+    SignatureDataset.create_or_open(path, TINY, "0.32.0").append(_records(1, start=2))
+    assert len(SignatureDataset.open(path)) == 3
+
+
+def test_a_writer_that_closes_lets_the_next_one_in(tmp_path: Path) -> None:
+    path = tmp_path / "s.zarr"
+    first = SignatureDataset.create_or_open(path, TINY, "0.32.0")
+    with pytest.raises(EldrError, match="one writer"):
+        SignatureDataset.create_or_open(path, TINY, "0.32.0")
+    first.close()
+    SignatureDataset.create_or_open(path, TINY, "0.32.0").append(_records(1))
+    assert len(SignatureDataset.open(path)) == 1

@@ -31,7 +31,7 @@ from stages.serve.proxy.recorded_row import RecordedRow, build_record, identity_
 from stages.serve.proxy.recording import RecordConfig
 from stages.signature import wire
 from stages.signature.appender import DatasetAppender
-from stages.signature.dataset import ModelIdentity, SignatureDataset
+from stages.signature.dataset import ModelIdentity, SignatureDataset, store_exists
 from tests.conftest import free_port
 from tests.fakes.worker import (
     BackgroundServer,
@@ -338,14 +338,14 @@ def test_recording_refuses_what_it_cannot_do(tmp_path: Path) -> None:
                                policy="jsq", record=RecordConfig(not_a_dataset)))
 
 
-def test_only_recorded_requests_ask_the_decode_worker_to_measure() -> None:
+def test_only_recorded_requests_ask_the_decode_worker_to_measure(tmp_path: Path) -> None:
     from stages.capture.batch_publisher import BatchPublisher
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     decode = FakeBehavior("d", tokens=2, publisher=BatchPublisher(endpoint, heartbeat_s=0.2))
     with BackgroundServer(create_fake_worker(FakeBehavior("p"))) as prefill, \
             BackgroundServer(create_fake_worker(decode)) as worker:
-        for record in (None, RecordConfig(Path("/nonexistent/never-written.zarr"), rate=0.001)):
+        for record in (None, RecordConfig(tmp_path / "never-written.zarr", rate=0.001)):
             config = fast_config([prefill.url], [worker.url], decode_batch_endpoints=(endpoint,),
                                  policy="jsq", record=record)
             with BackgroundServer(create_app(config)) as proxy:
@@ -355,7 +355,7 @@ def test_only_recorded_requests_ask_the_decode_worker_to_measure() -> None:
     decode.publisher.close()
     sent = [r.body["kv_transfer_params"] for r in decode.received]
     assert len(sent) == 10 and not any(RECORD_KEY in kv for kv in sent)  # none sampled
-    assert not Path("/nonexistent/never-written.zarr").exists()
+    assert not store_exists(tmp_path / "never-written.zarr")  # locked for writing, no rows
 
 
 def _recording_serve(servers: list[BackgroundServer], endpoints: list[str], path: Path,

@@ -18,6 +18,10 @@ of the live process loses at most the rows not yet handed over (the writer watch
 and exits once the append under way ends); ``close`` appends everything handed over before it
 returns.
 
+The live process holds the dataset's writer lock from the start of the recording to its
+``close`` (a second recorder, or a capture, is refused at its start); the writer process appends
+under its parent's lock, and under one of its own if the parent died mid-append.
+
 The dataset is created with the model identity ``identity`` gives for the first row unless it
 exists; a row ``build`` refuses, or of another shape than the store's, is dropped and counted,
 never written.
@@ -39,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from stages.errors import EldrError
-from stages.signature.dataset import CaptureRecord, ModelIdentity, SignatureDataset
+from stages.signature.dataset import (
+    CaptureRecord,
+    ModelIdentity,
+    SignatureDataset,
+    store_exists,
+)
+from stages.signature.writer_lock import WriterLock
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +110,16 @@ IdentityOf = Callable[[Any, CaptureRecord], ModelIdentity]
 
 
 def _append(path: Path, vllm_version: str, build: RowBuilder, identity: IdentityOf,
-            rows: list[Any]) -> _Appended:
-    """One append, in the writer process. The store is opened each time (a few ms against an
-    append's tens): the writer keeps no state between batches."""
+            owner: int, rows: list[Any]) -> _Appended:
+    """One append, in the writer process, under the writer lock of ``owner`` (the live
+    process). The store is opened each time (a few ms against an append's tens): the writer
+    keeps no state between batches."""
     with _APPENDING:
-        return _append_now(path, vllm_version, build, identity, rows)
+        return _append_now(path, vllm_version, build, identity, owner, rows)
 
 
 def _append_now(path: Path, vllm_version: str, build: RowBuilder, identity: IdentityOf,
-                rows: list[Any]) -> _Appended:
+                owner: int, rows: list[Any]) -> _Appended:
     built: list[tuple[Any, CaptureRecord]] = []
     refused: list[str] = []
     for raw in rows:
@@ -122,12 +133,17 @@ def _append_now(path: Path, vllm_version: str, build: RowBuilder, identity: Iden
         return _Appended(0, 0, len(refused))
     try:
         # An existing store keeps its identity (the live process checked it at its start).
-        dataset = (SignatureDataset.open(path, writable=True) if path.exists() else
-                   SignatureDataset.create_or_open(path, identity(*built[0]), vllm_version))
-        shape = dataset.identity.shape
-        good = [r for _, r in built
-                if r.prefill_counts.shape == shape and r.decode_counts.shape == shape]
-        dataset.append(good)
+        dataset = (
+            SignatureDataset.open(path, writable=True, on_behalf_of=owner)
+            if store_exists(path) else SignatureDataset.create_or_open(
+                path, identity(*built[0]), vllm_version, on_behalf_of=owner))
+        try:
+            shape = dataset.identity.shape
+            good = [r for _, r in built
+                    if r.prefill_counts.shape == shape and r.decode_counts.shape == shape]
+            dataset.append(good)
+        finally:
+            dataset.close()
         return _Appended(len(good), len(built) - len(good), len(refused))
     except (EldrError, OSError, ValueError) as exc:
         # The writer lives on: a full disk may clear, and the proxy keeps serving.
@@ -155,8 +171,13 @@ class DatasetAppender:
         self._waiting = 0  # rows handed over, not yet appended
         self._lock = threading.Lock()  # the counts change in the executor's thread
         self._store_identity: ModelIdentity | None = None
-        if self.path.exists():  # opened now: a store that is not a dataset fails the start
-            self._store_identity = SignatureDataset.open(self.path, writable=True).identity
+        exists = store_exists(self.path)
+        if exists:  # opened now: a store that is not a dataset fails the start
+            self._store_identity = SignatureDataset.open(self.path).identity
+        # Held until close: the writer process appends under it.
+        self._writer_lock = WriterLock.take(self.path)
+        if exists:  # trims what a killed writer left past the commit mark
+            SignatureDataset.open(self.path, writable=True, on_behalf_of=os.getpid()).close()
         self._writer = _start_writer(self._build, self._identity)
 
     @property
@@ -173,7 +194,8 @@ class DatasetAppender:
                 self.counts.dropped_full += len(rows)
                 return False
             self._waiting += len(rows)
-        job = (_append, self.path, self._vllm_version, self._build, self._identity, rows)
+        job = (_append, self.path, self._vllm_version, self._build, self._identity,
+               os.getpid(), rows)
         try:
             future = self._writer.submit(*job)
         except BrokenProcessPool as exc:  # the writer died (killed, out of memory): a new one
@@ -191,6 +213,7 @@ class DatasetAppender:
         if done.is_alive():
             log.error("recording: the writer did not finish within %g s; rows may be lost",
                       timeout_s)
+        self._writer_lock.release()
 
     def _appended(self, done: Future[_Appended], rows: int) -> None:
         exc = done.exception()

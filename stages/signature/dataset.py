@@ -16,7 +16,8 @@ Group attributes hold the schema version, the model identity (name, L, E, top_k,
 indices), the vLLM version and ``committed``: the number of complete rows. Appends write the
 arrays first and bump ``committed`` last, so a run killed mid-append leaves rows beyond
 ``committed`` that the next open trims: nothing half-written is ever read, and nothing
-committed is lost.
+committed is lost. Because a writable open trims, a store has one writer at a time
+(``writer_lock``: a second is refused, naming the first's pid); readers take no lock.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import zarr
 
 from stages.errors import EldrError
+from stages.signature.writer_lock import LOCK_NAME, WriterLock
 
 SCHEMA_VERSION = 1
 SCHEMA_NAME = "eldr.signatures"
@@ -142,18 +144,22 @@ def prompt_digest(prompt: str) -> str:
 class SignatureDataset:
     """An open signature store. Create with :meth:`create_or_open`, read with :meth:`open`."""
 
-    def __init__(self, group: zarr.Group, path: Path) -> None:
+    def __init__(self, group: zarr.Group, path: Path, lock: WriterLock | None = None) -> None:
         self._group = group
         self.path = path
+        self._lock = lock  # held by a writable open (None: a reader, or covered by a parent's)
         attrs = group.attrs.asdict()
         self.identity = ModelIdentity.from_dict(attrs["model"])
         self.vllm_version = str(attrs.get("vllm_version", "unknown"))
 
     # -- opening -------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: Path, writable: bool = False) -> SignatureDataset:
+    def open(cls, path: Path, writable: bool = False,
+             on_behalf_of: int | None = None) -> SignatureDataset:
+        """``writable`` takes the store's writer lock until :meth:`close` or this process's
+        exit; ``on_behalf_of``: see :meth:`WriterLock.take_unless_held_by`."""
         path = Path(path)
-        if not path.exists():
+        if not store_exists(path):
             raise EldrError(
                 f"no signature dataset at {path}; run `eldr capture` first (or pass --data)"
             )
@@ -179,25 +185,47 @@ class SignatureDataset:
         except (KeyError, TypeError, ValueError) as exc:
             raise EldrError(f"{path} is damaged: {exc}") from exc
         if writable:
-            dataset._trim_uncommitted()
+            dataset._lock = _writer_lock(path, on_behalf_of)
+            try:
+                dataset._trim_uncommitted()
+            except BaseException:
+                dataset.close()
+                raise
         return dataset
 
     @classmethod
     def create_or_open(
-        cls, path: Path, identity: ModelIdentity, vllm_version: str
+        cls, path: Path, identity: ModelIdentity, vllm_version: str,
+        on_behalf_of: int | None = None,
     ) -> SignatureDataset:
         """Open for appending; refuse (never overwrite) a store of another model."""
         path = Path(path)
-        if path.exists():
-            dataset = cls.open(path, writable=True)
-            if dataset.identity != identity:
-                raise EldrError(
-                    f"{path} holds signatures of {dataset.identity.describe()}, not of"
-                    f" {identity.describe()}; choose another --out path"
-                )
-            return dataset
-        path.parent.mkdir(parents=True, exist_ok=True)
-        group = zarr.open_group(str(path), mode="w-", zarr_format=3)
+        if not store_exists(path):
+            lock = _writer_lock(path, on_behalf_of)
+            if not (path / "zarr.json").exists():  # not created by a writer before us
+                try:
+                    return cls._create(path, identity, vllm_version, lock)
+                except BaseException:
+                    if lock is not None:
+                        lock.release()
+                    raise
+            if lock is not None:
+                lock.release()  # the open of the store that exists takes it again
+        dataset = cls.open(path, writable=True, on_behalf_of=on_behalf_of)
+        if dataset.identity != identity:
+            dataset.close()
+            raise EldrError(
+                f"{path} holds signatures of {dataset.identity.describe()}, not of"
+                f" {identity.describe()}; choose another --out path"
+            )
+        return dataset
+
+    @classmethod
+    def _create(cls, path: Path, identity: ModelIdentity, vllm_version: str,
+                lock: WriterLock | None) -> SignatureDataset:
+        # "a", not "w-": the directory holds our lock file; no group is there (checked
+        # under the lock), so nothing is overwritten.
+        group = zarr.open_group(str(path), mode="a", zarr_format=3)
         group.attrs.update(
             {
                 "schema": SCHEMA_NAME,
@@ -229,7 +257,13 @@ class SignatureDataset:
             )
         _add_traffic_arrays(group, 0)
         _consolidate(group)
-        return cls(group, path)
+        return cls(group, path, lock)
+
+    def close(self) -> None:
+        """Let another writer in (a reader's close does nothing)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # -- reading -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -332,6 +366,20 @@ class SignatureDataset:
         _consolidate(self._group)
 
 
+def _writer_lock(path: Path, on_behalf_of: int | None) -> WriterLock | None:
+    if on_behalf_of is None:
+        return WriterLock.take(path)
+    return WriterLock.take_unless_held_by(path, on_behalf_of)
+
+
+def store_exists(path: Path) -> bool:
+    """Whether ``path`` is more than absent or a directory holding only a writer's lock file
+    (a writer that took the lock and died before it created the store)."""
+    if not path.is_dir():
+        return path.exists()
+    return {entry.name for entry in path.iterdir()} != {LOCK_NAME}
+
+
 def _unknown(dtype: Any, n: int) -> np.ndarray:
     return np.full(n, "", dtype=object) if dtype is str else np.full(n, np.nan, dtype=dtype)
 
@@ -354,4 +402,6 @@ def _consolidate(group: zarr.Group) -> None:
     with warnings.catch_warnings():
         # zarr notes that consolidated metadata is not yet in the v3 spec; xarray relies on it.
         warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+        # The writer's lock file is no zarr node; zarr's walk of the group notes it.
+        warnings.filterwarnings("ignore", message=f"Object at {LOCK_NAME} is not recognized")
         zarr.consolidate_metadata(group.store)
