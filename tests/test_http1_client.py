@@ -18,6 +18,7 @@ import pytest
 from stages.serve.proxy.http1 import (
     Http1Client,
     NotDelivered,
+    PoolExhausted,
     ReadTimeout,
     Timeouts,
     UpstreamError,
@@ -385,8 +386,10 @@ def test_waiting_for_a_free_connection_is_bounded_and_served_in_turn() -> None:
         async with Server(keep_answering()) as server, Http1Client(1, 4.0) as client:
             held = await client.post(server.url, "/x", b"{}", {}, FAST)
             short = Timeouts(read_s=5.0, connect_s=2.0, acquire_s=0.1)
-            with pytest.raises(NotDelivered, match="no free connection"):
+            with pytest.raises(PoolExhausted, match="no free upstream connection") as caught:
                 await client.post(server.url, "/x", b"{}", {}, short)
+            # The proxy's own limit: no failure of the worker's (legs catch UpstreamError).
+            assert not isinstance(caught.value, UpstreamError)
             assert client.in_use == 1
             waiting = asyncio.create_task(client.post(server.url, "/x", b"{}", {}, FAST))
             await asyncio.sleep(0.05)

@@ -185,6 +185,47 @@ def test_a_burst_past_the_queue_bound_is_shed_with_retry_after() -> None:
             w.stop()
 
 
+def test_the_proxys_own_connection_limit_is_its_503_not_a_workers_failure() -> None:
+    """With every upstream connection slot held (``max_connections``), a new request waits
+    its turn, then gets the proxy's own 503 with Retry-After and its own metric; the workers,
+    healthy all along, record no failure and stay in rotation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    behaviors = [FakeBehavior("p0"), FakeBehavior("d0", token_delay_s=0.5)]
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    config = fast_config([workers[0].url], [workers[1].url], policy="rr", max_connections=1,
+                         prefill_timeout_s=0.3, connect_timeout_s=0.2,
+                         ejection=Ejection(after_failures=1, base_s=30, max_s=60))
+    try:
+        with BackgroundServer(create_app(config)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=20) as client, \
+                ThreadPoolExecutor(1) as pool:
+            # Holds the only connection while it streams (about 2 s).
+            slow = pool.submit(client.post, "/v1/completions",
+                               json={"prompt": "s", "max_tokens": 4, "stream": True})
+            deadline = time.monotonic() + 10
+            while client.get("/admin/state").json()["decode_workers"][0]["in_flight"] != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "1"
+            error = refused.json()["error"]
+            assert error["type"] == "proxy_connections_exhausted" and error["code"] == 503
+            assert slow.result().content.endswith(b"data: [DONE]\n\n")
+            state = client.get("/admin/state").json()
+            for worker in state["prefill_workers"] + state["decode_workers"]:
+                assert worker["healthy"] and worker["ejections"] == 0, worker
+                assert worker["consecutive_failures"] == 0 and worker["last_error"] is None
+            metrics = client.get("/metrics").text
+            assert "eldr_router_connection_pool_exhausted_total 1.0" in metrics
+            assert client.post("/v1/completions",
+                               json={"prompt": "y", "max_tokens": 2}).status_code == 200
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def test_an_operator_drains_one_worker_for_a_rolling_restart() -> None:
     from concurrent.futures import ThreadPoolExecutor
 

@@ -33,6 +33,15 @@ class Draining(Shed):
                          " once it is back", "draining")
 
 
+class ConnectionsExhausted(Shed):
+    """Every upstream connection of this proxy was in use until the request gave up waiting:
+    the proxy's own limit, reported as its own (no worker is blamed)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"the proxy has no free connection to its workers ({detail}): retry"
+                         " shortly", "proxy_connections_exhausted")
+
+
 class Admission:
     """A request let in that holds no worker lease yet.
 

@@ -14,13 +14,20 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from stages.serve.proxy.admission import RETRY_AFTER_S, Admission, Shed, admit
+from stages.serve.proxy.admission import (
+    RETRY_AFTER_S,
+    Admission,
+    ConnectionsExhausted,
+    Shed,
+    admit,
+)
 from stages.serve.proxy.answer import Answer, to_response
 from stages.serve.proxy.answer_ids import for_client
 from stages.serve.proxy.batch import serve_batch
 from stages.serve.proxy.batch_split import split
 from stages.serve.proxy.decode_leg import hand_off, run_decode
 from stages.serve.proxy.disconnect import unless_client_leaves
+from stages.serve.proxy.http1 import PoolExhausted
 from stages.serve.proxy.prefill_leg import run_prefill
 from stages.serve.proxy.request_body import JsonBody, RequestFields, check_request_body, read_body
 from stages.serve.proxy.request_context import RequestContext, request_context
@@ -66,6 +73,13 @@ async def _handle(request: Request, chat: bool) -> Response:
                  request_id, client_id)
             return Response(status_code=499, headers=reply_headers)
         return to_response(answer, reply_headers)
+    except PoolExhausted as exc:
+        # Not the workers' failure (the legs let it through unrecorded): the proxy's own 503.
+        metrics.connection_pool_exhausted.inc()
+        shed = ConnectionsExhausted(str(exc))
+        metrics.request_errors.labels(shed.kind).inc()
+        log.warning("request %s: %s", request_id, exc)
+        return shed.response({**reply_headers, "Retry-After": str(RETRY_AFTER_S)})
     except Shed as exc:
         metrics.request_errors.labels(exc.kind).inc()
         return exc.response({**reply_headers, "Retry-After": str(RETRY_AFTER_S)})

@@ -62,6 +62,12 @@ class NotDelivered(UpstreamError):
     not in time) or none came free in time. Retrying it elsewhere is always safe."""
 
 
+class PoolExhausted(Exception):
+    """No connection slot came free in time: the proxy's own limit (``max_connections``), not
+    the worker's doing. Not an ``UpstreamError``: the worker never saw the request and must not
+    be blamed for it; the request was not sent (safe to retry later, anywhere)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     """How long one request may wait, in seconds (``math.inf``: no limit)."""
@@ -437,7 +443,8 @@ class Http1Client:
 
         ``headers`` must not repeat Host, Content-Length or the client's own headers; ``path``
         must be a URL's path (and query) as it goes on the request line, or ValueError. Raises
-        ``NotDelivered`` when the request never left, ``UpstreamError`` when it failed after.
+        ``NotDelivered`` when the request never left, ``UpstreamError`` when it failed after,
+        ``PoolExhausted`` when no connection slot came free in time.
         """
         if _REQUEST_PATH.fullmatch(path) is None:
             # A path decoded from a client's URL could hold a line break (a route pattern's
@@ -514,9 +521,9 @@ class Http1Client:
                 self._waiters.remove(waiter)
                 waiter.cancel()
             if isinstance(exc, TimeoutError):
-                raise NotDelivered(
-                    f"no free connection within {acquire_s:g} s "
-                    f"({self._limit} in use)") from None
+                raise PoolExhausted(
+                    f"no free upstream connection within {acquire_s:g} s "
+                    f"(all {self._limit} of the proxy's in use)") from None
             raise
 
     def _free_slot(self) -> None:

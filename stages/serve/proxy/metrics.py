@@ -158,6 +158,12 @@ class ProxyMetrics:
             ["kind"],
             registry=r,
         )
+        self.connection_pool_exhausted = Counter(
+            "eldr_router_connection_pool_exhausted_total",
+            "Requests refused (503) because every upstream connection of the proxy was in use"
+            " (max_connections): the proxy's own limit, no worker's failure.",
+            registry=r,
+        )
         self.refits = Counter(
             "eldr_router_refits_total", "Online centroid refits applied.", registry=r
         )
