@@ -84,6 +84,9 @@ def bench(
     decode_urls: Annotated[str | None, typer.Option(
         help="--workload: decode workers whose KV-transfer counters to read, comma separated."
         " Default: the eldr proxy's.", show_default=False)] = None,
+    cache_blocks: Annotated[int, typer.Option(
+        help="--simulate --workload: each worker's prefix cache, in KV blocks (an LRU).",
+        min=1)] = 8192,
     policy_options: PolicyConfigOption = None,
     prompts: Annotated[Path | None, typer.Option(
         help="JSONL prompts. Default: the bundled evaluation split.", show_default=False)] = None,
@@ -183,7 +186,10 @@ def bench(
                                 message_tokens, think_time)
         choice = _workload_choice(workload, workload_file, spec, prompts_path)
         if simulate:
-            raise EldrError("--simulate --workload is not built yet")
+            _conversation_sim(choice, policies, request_rate, prefill, decode, cost, data, store,
+                              block_size, cache_blocks, max_model_len, output_tokens, seed,
+                              result_dir, options)
+            return
         _conversation_bench(choice, url, names, router or [], tokenizer, max_model_len,
                             block_size, prefill_urls, decode_urls, max_concurrency, max_tokens,
                             rounds, seed, result_dir, options)
@@ -267,3 +273,39 @@ def _conversation_bench(choice: WorkloadChoice, url: str, names: tuple[str, ...]
                 f" {spec.think_time_s:g} s, {max_tokens} output tokens")
     run_conversation_bench(config, parse_urls(prefill_urls), parse_urls(decode_urls),
                            block_size, result_dir, describe, typer.echo)
+
+
+def _conversation_sim(choice: WorkloadChoice, policies: str | None, request_rate: str,
+                      prefill: int, decode: int, cost: str | None, data: Path | None,
+                      store: Path | None, block_size: int | None, cache_blocks: int,
+                      max_model_len: int | None, output_tokens: int | None, seed: int,
+                      result_dir: Path, options: PolicyConfig) -> None:
+    """The conversation workload simulated: ``--request-rate`` is new conversations a
+    second; messages and system prompts are synthetic token ids of the spec's lengths."""
+    from stages.bench.sim.conversation_sim_run import (
+        CONVERSATION_POLICIES,
+        ConversationSimOptions,
+        run_conversation_sim,
+    )
+    from stages.bench.sim.conversation_workload import SimConversationSpec
+
+    if choice.kind != "conversations":
+        raise EldrError("--simulate takes --workload conversations (a ShareGPT file's text"
+                        " is replayed live only)")
+    try:
+        rate = float(request_rate)
+    except ValueError as exc:
+        raise EldrError(f"--simulate --workload: --request-rate is new conversations a second,"
+                        f" one number; got {request_rate!r}") from exc
+    spec = choice.spec
+    names = (tuple(p.strip() for p in policies.split(",") if p.strip()) if policies
+             else CONVERSATION_POLICIES)
+    workload = SimConversationSpec(
+        conversations=spec.conversations, turns=spec.turns, conversation_rate=rate,
+        think_time_s=spec.think_time_s, system_prompts=spec.system_prompts,
+        system_tokens=spec.system_tokens, message_tokens=spec.message_tokens,
+        output_tokens=output_tokens or 256, max_model_len=max_model_len or 32768, seed=seed)
+    run_conversation_sim(ConversationSimOptions(
+        policies=names, workload=workload, result_dir=result_dir, data=data, store=store,
+        prefill=prefill, decode=decode, cost=cost or "gpu", block_size=block_size or 16,
+        cache_blocks=cache_blocks, seed=seed, policy_config=options), typer.echo)
