@@ -27,10 +27,11 @@ import pytest
 
 from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
+from stages.vllm_compat import NEVER_RUN_ENV, NOT_RUN, installed_vllm, minor
 from tests.conftest import home_with, requires_vllm
 from tests.fakes.worker import BackgroundServer
 from tests.plain_reference import MAX_TOKENS, PROMPTS, complete
-from tests.proc_probe import api_server, eldr_ok, running_serve
+from tests.proc_probe import api_server, eldr_ok, running_serve, serve_log
 from tests.test_proxy_errors import CASES, LIMIT
 from tests.vllm_parity import BATCHES, MORE_CASES, answer, status_of
 
@@ -81,13 +82,30 @@ def deployment(calibration: Path, tmp_path_factory: pytest.TempPathFactory,
     # plain_reference's engine answered and is gone before the workers start: at most three
     # vLLM servers at a time on a small machine.
     reference = dict(plain_reference)
-    with running_serve([], home) as served:
-        state = httpx.get(f"{served.url}/admin/state", timeout=10).json()
-        yield Deployment(
-            served.proc, served.url, served.worker_port, reference, home,
-            tuple(w["url"] for w in state["prefill_workers"]),
-            tuple(w["url"] for w in state["decode_workers"]),
-        )
+    # The gate is told this release was never run: the deployment runs on the path of a
+    # release only the static check passed (a warning, then every worker's self-check).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(NEVER_RUN_ENV, minor(installed_vllm() or ""))
+        with running_serve([], home) as served:
+            state = httpx.get(f"{served.url}/admin/state", timeout=10).json()
+            yield Deployment(
+                served.proc, served.url, served.worker_port, reference, home,
+                tuple(w["url"] for w in state["prefill_workers"]),
+                tuple(w["url"] for w in state["decode_workers"]),
+            )
+
+
+def test_a_release_never_run_serves_after_its_warning_and_the_self_checks(
+    deployment: Deployment
+) -> None:
+    """The gate told this release was never run: `eldr serve` warns, names what was not run,
+    self-checks every worker, and serves (every other test here)."""
+    log = serve_log(deployment.home).read_text(errors="replace")
+    assert f"eldr: warning: vLLM {installed_vllm()}: {NOT_RUN} were not run" in log
+    state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
+    assert state["self_check"] == "on"
+    prompt = PROMPTS[0]
+    assert complete(deployment.proxy_url, prompt) == deployment.reference[prompt]
 
 
 def test_the_card_serves_20_clusters_on_two_workers_and_benches(
