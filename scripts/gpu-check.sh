@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU readiness check, for a machine with NVIDIA GPUs (run from the repository root):
-#   1. installs eldr with the GPU extra (vllm 0.31-0.32) into .venv;
+#   1. installs eldr with the GPU extra into .venv (the newest `vllm`: 0.33.0 today, whose
+#      wheel passed eldr's static check but no real run, so eldr warns at start; these
+#      steps are that run: once they pass, add its minor to RUN_MINORS in stages/vllm_compat.py)
+#      and checks the installed sources for every vLLM touchpoint eldr relies on;
 #   2. the recorder's per-step path on the GPU under torch.cuda.set_sync_debug_mode("error"):
 #      no host sync, and the same counts as on CPU;
 #   3. the real-vLLM capture and architecture tests in vLLM's default mode, which on a GPU is
@@ -21,9 +24,16 @@ command -v nvidia-smi >/dev/null || { echo "gpu-check: no nvidia-smi on this mac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 bash scripts/setup.sh
 PY=.venv/bin/python
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+# vLLM 0.33's torch 2.14 wheels are built for CUDA 13: an older driver shows no device.
+[ "$GPUS" -ge 1 ] || {
+  echo "gpu-check: torch sees no GPU (its CUDA 13 wheels need an NVIDIA driver >= 580)" >&2
+  exit 2
+}
 $PY -c "import torch, vllm; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'vllm', vllm.__version__, 'devices', torch.cuda.device_count(), torch.cuda.get_device_name(0))"
-GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+echo "== 1. every vLLM touchpoint eldr relies on, in the installed sources"
+$PY -m stages.vllm_static_check --installed
 
 echo "== 2. recorder per-step path: no host sync, counts equal CPU's"
 $PY -m pytest -q -x tests/test_recorder_device_path.py

@@ -46,7 +46,8 @@ def test_no_vllm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_release_that_was_run_passes_silently() -> None:
     gate = vllm_compat.gate()
     assert gate.release == vllm_compat.installed_vllm()
-    assert gate.warning is None
+    # Silent exactly where the real tests ran (scripts/gpu-check.sh installs the newest vLLM).
+    assert (gate.warning is None) is vllm_compat.was_run(gate.release)
 
 
 @requires_vllm
