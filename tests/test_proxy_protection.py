@@ -13,6 +13,7 @@ import pytest
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
 from stages.serve.proxy.admission import Overloaded, admit
+from stages.serve.proxy.responses import ProxyError
 from stages.serve.proxy.state import build_state
 from stages.serve.proxy.workers import Ejection, WorkerPool
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
@@ -128,7 +129,7 @@ def test_requests_let_in_count_before_they_lease_a_worker() -> None:
     state = build_state(fast_config(["http://p0"], ["http://d0", "http://d1"], policy="jsq",
                                     decode_slots=1, max_queued=1))
     tickets = [admit(state) for _ in range(3)]  # 2 slots + 1 queued, none leased yet
-    with pytest.raises(Overloaded, match="3 requests in flight, at most 3"):
+    with pytest.raises(Overloaded, match="3 in flight, at most 3"):
         admit(state)
     lease = state.prefill.acquire(0)
     tickets[0].settle()  # the first request now counts through its lease
@@ -139,6 +140,59 @@ def test_requests_let_in_count_before_they_lease_a_worker() -> None:
     tickets[1].settle()  # a request that failed before any lease
     assert state.cluster_load() == 1
     admit(state)
+
+
+def test_a_split_request_reserves_a_place_for_each_of_its_sequences() -> None:
+    """``max_queued`` bounds sequences: a request for n choices or a batch of prompts leases a
+    worker per sequence, so it is let in only with room for all of them."""
+    state = build_state(fast_config(["http://p0"], ["http://d0", "http://d1"], policy="jsq",
+                                    decode_slots=1, max_queued=1))  # at most 3 at once
+    request = admit(state)
+    seats = request.reserve(3)  # its body asked for 3 sequences: each has its place
+    assert state.cluster_load() == 3 and len(seats) == 3
+    with pytest.raises(Overloaded):
+        admit(state)
+    lease = state.prefill.acquire(0)
+    seats[0].settle()  # the first sequence now counts through its lease
+    seats[0].settle()  # idempotent, as a retry's prefill settles again
+    assert state.cluster_load() == 3
+    lease.release()
+    request.settle()  # the request ended: its sequences that never leased are let go
+    assert state.cluster_load() == 0
+    other = admit(state)
+    request = admit(state)
+    with pytest.raises(Overloaded, match="1 in flight, at most 3: this request asks for 3"):
+        request.reserve(3)  # 1 in flight + 3 > 3: refused whole, not let in past the bound
+    assert state.cluster_load() == 2  # the refused request still holds its own until it ends
+    request.settle()
+    other.settle()
+    with pytest.raises(ProxyError, match="asks for 4 sequences") as too_many:
+        admit(state).reserve(4)  # could never fit: no use retrying
+    assert too_many.value.status == 400
+    unbounded = build_state(fast_config(["http://p0"], ["http://d0"], policy="jsq"))
+    assert len(admit(unbounded).reserve(1024)) == 1024 and unbounded.cluster_load() == 1024
+
+
+def test_the_proxy_refuses_a_request_whose_sequences_would_pass_the_bound() -> None:
+    behaviors = [FakeBehavior("p0"), FakeBehavior("d0"), FakeBehavior("d1")]
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    config = fast_config([workers[0].url], [w.url for w in workers[1:]], policy="jsq",
+                         decode_slots=1, max_queued=1)
+    try:
+        with BackgroundServer(create_app(config)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=20) as client:
+            body = {"prompt": "x", "max_tokens": 2, "n": 3}
+            assert client.post("/v1/completions", json=body).status_code == 200
+            refused = client.post("/v1/completions", json={**body, "n": 4})
+            assert refused.status_code == 400 and "asks for 4 sequences" in refused.text
+            refused = client.post("/v1/completions",
+                                  json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2})
+            assert refused.status_code == 400
+            # Only the first request's 3 sequences reached a decode worker.
+            assert sum(len(b.received) for b in behaviors[1:]) == 3
+    finally:
+        for w in workers:
+            w.stop()
 
 
 def test_a_burst_past_the_queue_bound_is_shed_with_retry_after() -> None:

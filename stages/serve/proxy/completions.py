@@ -112,11 +112,13 @@ def _plan(
             request, request_id, read.body, chat, read.lax, admission, client_id
         )
         return lambda: _for_client(serve_one(ctx), request_id, client_id)
+    # Each sequence leases a worker of its own: all are let in, or none.
+    seats = admission.reserve(len(parts))
     subs = [
         request_context(
-            request, f"{request_id}-{k}", part.body, chat, read.lax, admission, client_id
+            request, f"{request_id}-{k}", part.body, chat, read.lax, seat, client_id
         )
-        for k, part in enumerate(parts)
+        for k, (part, seat) in enumerate(zip(parts, seats, strict=True))
     ]
     return lambda: serve_batch(subs, parts, client_id)
 
