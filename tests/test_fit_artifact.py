@@ -177,3 +177,32 @@ def test_serving_takes_any_k_of_at_least_the_decode_worker_count(tmp_path: Path)
     with pytest.raises(EldrError, match="3 centroids for 4 decode workers") as refused:
         load_for_serving(store.root, "latest", IDENTITY, 4)
     assert "eldr fit --k 4 --balanced" in str(refused.value)
+
+
+def test_the_same_fit_into_two_stores_is_the_same_version_byte_for_byte(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Content-addressed: the command line (the store's path in it) and the time of the fit
+    are not content; the version, the manifest, the arrays and fit.png come out the same."""
+    from typer.testing import CliRunner
+
+    from eldr_cli.app import app
+    from tests.test_fit_cli import write_dataset
+    from tests.test_fit_gain import domain_counts
+
+    data = write_dataset(tmp_path / "sig.zarr", *domain_counts(seed=0))
+    stores = [tmp_path / "first", tmp_path / "second"]
+    for store in stores:
+        args = ["fit", "--k", "4", "--data", str(data), "--store", str(store), "--no-dial"]
+        monkeypatch.setattr("sys.argv", ["eldr", *args])  # what provenance reads
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+    files = [{p.relative_to(s): p.read_bytes() for p in sorted(s.rglob("*")) if p.is_file()}
+             for s in stores]
+    assert files[0].keys() == files[1].keys()
+    assert any(p.name == "fit.png" for p in files[0])
+    for name, content in files[0].items():
+        assert files[1][name] == content, f"{name} differs between the two stores"
+    manifest = json.loads(next(c for p, c in files[0].items() if p.name == "manifest.json"))
+    assert str(stores[0]) not in json.dumps(manifest)
+    assert manifest["provenance"]["command"].startswith("eldr fit --k 4 --data")
+    assert ArtifactStore(stores[0]).load().created  # from the store, not from the bytes

@@ -2,7 +2,8 @@
 
 Layout under ``root``::
 
-    <version>/manifest.json   identity, dataset hash, params, metrics, array shapes, content hash
+    <version>/manifest.json   identity, dataset hash, params, metrics, array shapes, content hash,
+                              provenance (versions, command: outside the hash)
     <version>/arrays.npz      centroids float32 [K, D], idf float32 [L, E], layer_mask bool [L]
     latest                    text file: the version serve uses by default
 
@@ -24,7 +25,7 @@ import re
 import shutil
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,8 @@ class Artifact:
     params: dict[str, Any]
     metrics: dict[str, Any]
     created: str  # ISO 8601, UTC
+    # What produced it (stages.provenance.KEYS): stored beside the content, not hashed.
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_clusters(self) -> int:
@@ -143,9 +146,15 @@ class ArtifactStore:
         dataset_hash: str,
         params: dict[str, Any],
         metrics: dict[str, Any],
+        provenance: dict[str, Any] | None = None,
         set_latest: bool = True,
     ) -> str:
-        """Write a new version (or find the identical existing one); return its version."""
+        """Write a new version (or find the identical existing one); return its version.
+
+        Content-addressed: the same content is the same version and the same bytes wherever
+        and whenever it is saved. ``provenance`` (the versions and command that produced it)
+        is kept in the manifest outside the hash; the time of the save is the version
+        directory's, not in any file."""
         arrays = {
             "centroids": np.ascontiguousarray(centroids, dtype=np.float32),
             "idf": np.ascontiguousarray(transform.idf, dtype=np.float32),
@@ -170,7 +179,7 @@ class ArtifactStore:
                 **content,
                 "version": version,
                 "content_sha256": digest,
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "provenance": _plain(provenance or {}),
             }
             self._write_version(target, manifest, arrays)
         if set_latest:
@@ -192,8 +201,7 @@ class ArtifactStore:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
         try:
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            with open(tmp / ARRAYS, "wb") as fh:
-                np.savez(fh, **arrays)
+            _write_npz(tmp / ARRAYS, arrays)
             try:
                 os.rename(tmp, target)
             except OSError:
@@ -248,7 +256,9 @@ class ArtifactStore:
         try:
             identity = ModelIdentity.from_dict(manifest["identity"])
             content = {key: manifest[key] for key in _CONTENT_KEYS}
-            created = str(manifest["created"])
+            provenance = manifest.get("provenance") or {}
+            # Artifacts saved before versions were byte-for-byte the same stored the time.
+            created = str(manifest.get("created") or self._saved_at(version))
         except (KeyError, TypeError) as exc:
             raise EldrError(f"{damaged}: manifest lacks {exc}") from exc
         except ValueError as exc:  # an identity that contradicts itself
@@ -277,7 +287,13 @@ class ArtifactStore:
             params=content["params"],
             metrics=content["metrics"],
             created=created,
+            provenance=provenance if isinstance(provenance, dict) else {},
         )
+
+    def _saved_at(self, version: str) -> str:
+        """When the version was saved: its directory's time (renamed into place then)."""
+        stamp = (self.root / version).stat().st_mtime
+        return datetime.fromtimestamp(stamp, timezone.utc).isoformat(timespec="seconds")
 
     def list(self) -> list[ArtifactSummary]:
         """All versions, newest first; unreadable ones are listed with their problem."""
@@ -344,6 +360,15 @@ def _check_arrays(arrays: dict[str, np.ndarray], identity: ModelIdentity, where:
         )
     if not np.isfinite(centroids).all() or not np.isfinite(idf).all():
         raise EldrError(f"{where}: centroids or idf contain NaN or infinity")
+
+
+def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez`` without its one varying byte: the zip entries' time (now, in savez)."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name, array in arrays.items():
+            entry = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            with archive.open(entry, "w", force_zip64=True) as fh:
+                np.lib.format.write_array(fh, array, allow_pickle=False)
 
 
 def _content_hash(content: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:

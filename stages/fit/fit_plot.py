@@ -44,7 +44,8 @@ def plot_fit(artifact: Artifact, path: Path) -> Path:
                  f" k={artifact.num_clusters}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # No metadata: the bytes depend on the artifact alone (the same fit, the same file).
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     return path
 
 

@@ -14,6 +14,7 @@ that matter.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from stages.fit.cross_fit import Clustering, CrossFit, cross_fit_labels
 from stages.fit.dial import DialHook, DialInput
 from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain, gain_from_labels
 from stages.fit.kmeans import balanced_spherical_kmeans
-from stages.provenance import provenance
+from stages.provenance import command_line, provenance
 from stages.signature.dataset import ModelIdentity
 from stages.signature.inclusion import inclusion_log_complement
 from stages.signature.transform import fit_transform
@@ -128,7 +129,6 @@ def fit_artifact(
         "num_requests": len(prefill),
         "num_train": len(train),
         "num_holdout": len(held),
-        **provenance(),  # what `eldr report` shows as the command and versions of the fit
     }
     version = store.save(
         centroids=km.centroids,
@@ -137,9 +137,25 @@ def fit_artifact(
         dataset_hash=dataset_hash,
         params=params,
         metrics=metrics,
+        provenance=fit_provenance(),  # what `eldr report` shows as the command and versions
     )
     say(f"saved artifact {version} in {store.root}")
     return store.load(version)
+
+
+def fit_provenance() -> dict[str, str | None]:
+    """This process's provenance, its command without ``--store``: where a fit is saved is
+    not what it is, and the same fit saved in two stores is the same bytes."""
+    kept: list[str] = []
+    skip = False
+    for arg in sys.argv:
+        if skip:
+            skip = False
+        elif arg == "--store":
+            skip = True
+        elif not arg.startswith("--store="):
+            kept.append(arg)
+    return {**provenance(), "command": command_line(kept)}
 
 
 def fit_clustering(

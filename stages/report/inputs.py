@@ -345,7 +345,7 @@ def _fit_summary(store_root: Path, version: str) -> FitSummary:
         dial=metrics.get("dial"), dial_line=_dial_line(metrics.get("dial")),
         warnings=tuple(str(w) for w in warnings) if isinstance(warnings, list) else (),
         plot=_plot(png, "fit") if png.is_file() else None,
-        provenance=_fit_provenance(artifact.params, metrics),
+        provenance=_fit_provenance(artifact.provenance, artifact.params, metrics),
     )
 
 
