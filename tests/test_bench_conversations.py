@@ -123,6 +123,9 @@ def test_a_router_benches_conversations_with_their_real_answers(
     assert doc["block_size"] == 32
     assert 0 < doc["ideal_prefill_hit_share"] <= doc["ideal_history_hit_share"] < 1
     assert "TTFT p50 t>=2" in result.output
+    from stages.bench.metric_registry import CONVERSATION_METRICS
+
+    assert [m.key for m in CONVERSATION_METRICS if m.key not in doc] == []
     assert "fake: prefill hit share per worker 0.60" in result.output
 
 
@@ -168,3 +171,26 @@ def test_the_cli_passes_the_workload_options(monkeypatch: pytest.MonkeyPatch,
     # The ShareGPT source salts every run's draw.
     first = config.source(0, "salt-a")[0]
     assert first.user_messages == ("hi",) and first.system.startswith("Session salt-a.")
+
+
+def test_the_cli_simulates_the_conversation_workload(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    import stages.bench.sim.conversation_sim_run as conversation_sim_run
+
+    seen = []
+    monkeypatch.setattr(conversation_sim_run, "run_conversation_sim",
+                        lambda options, echo: seen.append(options))
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    result = runner.invoke(app, [
+        "bench", "--simulate", "--workload", "conversations", "--request-rate", "3",
+        "--turns", "4", "--think-time", "2", "--cache-blocks", "1000", "--prefill", "2",
+        "--decode", "4", "--output-tokens", "100"])
+    assert result.exit_code == 0, result.output
+    (options,) = seen
+    assert options.policies[0] == "eldr-kv" and (options.prefill, options.decode) == (2, 4)
+    w = options.workload
+    assert (w.conversation_rate, w.turns, w.think_time_s, w.output_tokens) == (3.0, 4, 2.0, 100)
+    assert options.cache_blocks == 1000 and options.cost == "gpu"
+    bad = runner.invoke(app, ["bench", "--simulate", "--workload", "conversations",
+                              "--request-rate", "50%"])
+    assert isinstance(bad.exception, EldrError) and "conversations a second" in str(bad.exception)

@@ -282,6 +282,7 @@ def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
     duration = float(np.nanmax(outcome.done) - np.nanmin(outcome.arrival))
     metrics: dict[str, object] = dict(summarize(table, duration))
     metrics |= ttft_by_turn(table.ttft_s, turns.turn, table.success)
+    metrics["ttft_later_round_spread_ms"] = float("nan")  # one run: no rounds to spread over
     total_prompt = float(prompt.sum())
     metrics["prefill_hit_share"] = share(float(outcome.prefill_cached.sum()), total_prompt)
     metrics["decode_kv_pulled_tokens"] = float(outcome.decode_pulled.sum())
@@ -295,9 +296,11 @@ def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
     return metrics
 
 
-def simulate_conversations(config: ConversationSimConfig, arrays: SignatureArrays, top_k: int,
-                           artifact: object | None = None) -> dict[str, dict[str, object]]:
-    """Every policy on the same conversations, each from empty caches and an idle cluster."""
+def simulate_outcomes(config: ConversationSimConfig, arrays: SignatureArrays, top_k: int,
+                      artifact: object | None = None
+                      ) -> tuple[SimTurns, dict[str, ConversationOutcome], float]:
+    """Every policy on the same conversations, each from empty caches and an idle cluster:
+    the turns, each policy's outcome, and the workload's ideal prefill hit share."""
     needs = [p for p in config.policies if POLICIES[p].needs_centroids]
     if needs and artifact is None:
         raise EldrError(f"policy {needs[0]!r} needs a fitted artifact to simulate")
@@ -328,5 +331,13 @@ def simulate_conversations(config: ConversationSimConfig, arrays: SignatureArray
         policy = make_policy(name, context, config.policy_config.overrides(name))
         apply = transform.apply if (transform is not None and cls.uses_signature) else None
         run = _Run(config, turns, hashes, answer_hashes, arrays, profiles, policy, top_k, apply)
-        out[name] = _metrics(run.run(), turns, ideal.prefill_share, num_layers)
-    return out
+        out[name] = run.run()
+    return turns, out, ideal.prefill_share
+
+
+def simulate_conversations(config: ConversationSimConfig, arrays: SignatureArrays, top_k: int,
+                           artifact: object | None = None) -> dict[str, dict[str, object]]:
+    """Each policy's figures (``CONVERSATION_METRICS`` and ``summarize``'s keys)."""
+    turns, outcomes, ideal = simulate_outcomes(config, arrays, top_k, artifact)
+    num_layers = arrays.decode_counts.shape[1]
+    return {name: _metrics(o, turns, ideal, num_layers) for name, o in outcomes.items()}
