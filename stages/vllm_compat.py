@@ -115,3 +115,16 @@ def routed_experts_sink() -> Any | None:
     except ImportError:
         return None
     return RoutedExpertsSink
+
+
+def logical_num_experts(layer: Any) -> int:
+    """The experts a MoE layer's router picks among: the columns of its signature rows.
+
+    vLLM 0.33 loads MoNE-pruned checkpoints with expert substitution: the router still picks
+    logical expert ids (``preserve_logical_expert_ids``), but its ``global_num_experts`` counts
+    only the retained (physical) experts, so the logical count comes from the substitution.
+    """
+    substitution = getattr(getattr(layer, "routed_experts", None), "expert_substitution", None)
+    if substitution is not None:
+        return int(substitution.num_logical_experts)
+    return int(layer.router.global_num_experts)

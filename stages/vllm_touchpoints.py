@@ -124,6 +124,12 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                " forward hands the chosen top-k ids to capture_fn after computing them and"
                " before EPLB maps them to physical experts, so eldr counts logical experts",
                ("self._compute_routing", "self.capture_fn", "self._apply_eplb_mapping")),
+    Touchpoint(f"{_MOE}.expert_substitution:SubstitutedRoutedExperts", M, "MoNE-pruned"
+               " checkpoints (0.33): the router's global_num_experts counts retained experts"
+               " only, its ids stay logical; the table takes the logical count from here"
+               " (vllm_compat.logical_num_experts)", ("expert_substitution",), optional=True),
+    Touchpoint(f"{_MOE}.expert_substitution:ConstantExpertSubstitution", M, "the logical"
+               " expert count of a substituted layer", ("num_logical_experts",), optional=True),
     Touchpoint(f"{_MOE}.config:FusedMoEConfig", M, "the buffer's width when the router has no"
                " top_k", ("experts_per_token",)),
     Touchpoint(f"{_MOE}.routed_experts_capturer:RoutedExpertsSink.__init__", S, "kernels that"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -197,3 +198,24 @@ def test_the_connector_overrides_listed_are_eldrs_own() -> None:
             if p.name not in ("self", "cls")
         ]
         assert tuple(params) == expected, name
+
+
+def test_a_layer_with_substituted_experts_records_its_logical_experts() -> None:
+    """vLLM 0.33's expert substitution (MoNE-pruned checkpoints): the router counts retained
+    experts only but picks logical ids, so the table must be as wide as the logical count."""
+    import torch
+
+    from stages.capture.recorder import SignatureRecorder
+    from stages.capture.topk_sink import BUFFER_NAME
+
+    router = SimpleNamespace(global_num_experts=6)
+    plain = SimpleNamespace(router=router, routed_experts=SimpleNamespace())
+    assert vllm_compat.logical_num_experts(plain) == 6
+    substitution = SimpleNamespace(num_logical_experts=8)
+    pruned = SimpleNamespace(router=router,
+                             routed_experts=SimpleNamespace(expert_substitution=substitution),
+                             **{BUFFER_NAME: torch.zeros((4, 2), dtype=torch.int32)})
+    recorder = SignatureRecorder(num_blocks=2, block_size=4, max_tokens=4)
+    recorder.bind_layers([(0, pruned)], torch.device("cpu"))  # type: ignore[list-item]
+    assert recorder.num_experts == 8
+    assert recorder.table is not None and recorder.table.shape == (3, 1, 8)

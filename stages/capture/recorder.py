@@ -21,6 +21,7 @@ import torch
 from stages.capture.host_copy import PendingCopy, StepTimer, to_device
 from stages.capture.messages import DeviceResults, StepPlan, StepReport
 from stages.capture.topk_sink import BUFFER_NAME, UNWRITTEN, TopkSink
+from stages.vllm_compat import logical_num_experts
 
 
 def find_moe_layers(
@@ -152,7 +153,7 @@ class SignatureRecorder:
         self.layer_ids = [layer_id for layer_id, _ in layers]
         self._buffers = [getattr(layer, BUFFER_NAME) for _, layer in layers]
         self.num_layers = len(layers)
-        self.num_experts = int(layers[0][1].router.global_num_experts)
+        self.num_experts = logical_num_experts(layers[0][1])
         self.top_k = int(self._buffers[0].shape[1])
         # int16 holds any count: one token picks an expert at most once per layer, and a block
         # has far fewer than 32k slots.
