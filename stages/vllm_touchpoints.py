@@ -198,6 +198,8 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                " skipped", ("is_eagle_group",), optional=True),
     Touchpoint("vllm.forward_context:ForwardContext", M, "each token's KV slot this step",
                ("slot_mapping",)),
+    Touchpoint("vllm.forward_context:set_forward_context", S, "model runners hand each"
+               " step's token -> KV slot map to the forward context", ("slot_mapping",)),
     Touchpoint("vllm.forward_context:get_forward_context", N, "read after each forward"),
     Touchpoint("vllm.forward_context:is_forward_context_available", N, "read after each"
                " forward"),
