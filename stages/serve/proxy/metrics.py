@@ -14,13 +14,14 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from stages.serve.proxy.published_batches import PublishedBatches
 from stages.serve.proxy.workers import WorkerPool
 
 if TYPE_CHECKING:
+    from stages.serve.proxy.kv_routing import KVRouting
     from stages.serve.proxy.rejoin import SelfChecks
 
 # Restarts so far of the worker at a URL (eldr serve's supervisor counts them).
@@ -98,6 +99,43 @@ class _Ejections(Collector):
         yield family
 
 
+class _KVViews(Collector):
+    """What each worker's KV events told this proxy, read from its views at scrape time."""
+
+    def __init__(self, kv: KVRouting) -> None:
+        self._kv = kv
+
+    def collect(self) -> Iterator[Metric]:
+        trusted = GaugeMetricFamily(
+            "eldr_kv_index_trusted", "1 while this proxy routes on what the worker's KV events"
+            " say it holds; 0 while they are silent or undecodable (routed on load alone).",
+            labels=["role", "worker"])
+        blocks = GaugeMetricFamily("eldr_kv_blocks", "KV blocks the worker holds, as its"
+                                   " events tell.", labels=["role", "worker"])
+        counts = {
+            "events": CounterMetricFamily("eldr_kv_event_batches", "KV event batches applied.",
+                                          labels=["role", "worker"]),
+            "gaps": CounterMetricFamily("eldr_kv_event_gaps", "Jumps in a worker's KV event"
+                                        " sequence.", labels=["role", "worker"]),
+            "lost": CounterMetricFamily("eldr_kv_event_lost", "Sequence jumps the replay could"
+                                        " not fill (the worker's index was cleared).",
+                                        labels=["role", "worker"]),
+            "undecodable": CounterMetricFamily("eldr_kv_event_undecodable", "KV event messages"
+                                               " that could not be decoded.",
+                                               labels=["role", "worker"]),
+        }
+        for role, view in (("prefill", self._kv.prefill), ("decode", self._kv.decode)):
+            for w, row in enumerate(view.state()):
+                name = [role, f"{role}-{w}"]
+                trusted.add_metric(name, float(row["trusted"]))
+                blocks.add_metric(name, row["blocks"])
+                for key, family in counts.items():
+                    family.add_metric(name, row[key])
+        yield trusted
+        yield blocks
+        yield from counts.values()
+
+
 # Routing decisions take microseconds; the default buckets start at 5 ms.
 DECISION_BUCKETS = (
     5e-6,
@@ -122,9 +160,20 @@ class ProxyMetrics:
         prefill: WorkerPool,
         restarts: RestartCounts = no_restarts,
         checks: SelfChecks | None = None,
+        kv: KVRouting | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if kv is not None:
+            r.register(_KVViews(kv))
+        # Prompt tokens routed, and of them the ones the chosen worker held (as this proxy's
+        # KV view said): the share of prefix-cache hits routing aimed for, per leg.
+        self.kv_prompt_tokens = Counter(
+            "eldr_kv_prompt_tokens_total", "Prompt tokens of the requests routed by KV.",
+            ["leg"], registry=r)
+        self.kv_cached_tokens = Counter(
+            "eldr_kv_cached_tokens_total", "Of them, the tokens the chosen worker held.",
+            ["leg"], registry=r)
         r.register(_Restarts((prefill, decode), restarts))
         r.register(_Ejections((prefill, decode)))
         if checks is not None:
