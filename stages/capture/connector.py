@@ -99,7 +99,8 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         # Only engines that record are checked: eldr's plugin is loaded by every vLLM engine
         # in the environment, and must never stop one that does not use this connector.
         check_vllm()
-        check_layout(ParallelLayout.of_engine(vllm_config.parallel_config, on_cpu()))
+        check_layout(ParallelLayout.of_engine(vllm_config.parallel_config, on_cpu(),
+                                              vllm_config.speculative_config))
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._count_decode = bool(extra.get("count_decode", False))
         group = signature_group(kv_cache_config)

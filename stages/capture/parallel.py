@@ -20,7 +20,10 @@ It does not hold, and the engine is refused at start with the mode named, for:
 - micro-batching (dual-batch overlap ``--enable-dbo``, ``--ubatch-size``): each micro-batch
   writes its ids from row 0 of the same buffer, so ids and KV slots would not line up;
 - context parallel (prefill or decode, PCP/DCP > 1): a rank holds only part of a request's
-  KV, so its blocks are not the request's blocks.
+  KV, so its blocks are not the request's blocks;
+- speculative decoding (EAGLE, MTP, n-gram, a draft model): the verify step routes every draft
+  position, rejected ones too, so decode counts would include tokens never generated, and a
+  drafter with MoE layers (EAGLE, MTP) runs the router hook on its own forward.
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ class ParallelLayout:
     micro_batches: int = 1  # 2 with dual-batch overlap, ubatch_size otherwise
     expert: bool = False  # --enable-expert-parallel
     on_cpu: bool = False
+    speculative: str = ""  # the speculative decoding method, "" without
 
     @classmethod
-    def of_engine(cls, parallel_config: Any, on_cpu: bool) -> ParallelLayout:
+    def of_engine(cls, parallel_config: Any, on_cpu: bool,
+                  speculative_config: Any = None) -> ParallelLayout:
+        """From vLLM's ``ParallelConfig`` and ``SpeculativeConfig`` (None: no drafting)."""
         def size(name: str) -> int:
             return int(getattr(parallel_config, name, 1) or 1)
 
@@ -54,6 +60,10 @@ class ParallelLayout:
             micro_batches=micro,
             expert=bool(getattr(parallel_config, "enable_expert_parallel", False)),
             on_cpu=on_cpu,
+            speculative="" if speculative_config is None else describe_speculative(
+                getattr(speculative_config, "method", None),
+                getattr(speculative_config, "model", None),
+                getattr(speculative_config, "num_speculative_tokens", None)),
         )
 
     def refusal(self) -> str | None:
@@ -77,6 +87,14 @@ class ParallelLayout:
                 " --decode-context-parallel-size > 1): a rank holds only part of a request's"
                 " KV blocks, so its signature table cannot sum a request's prompt"
             )
+        if self.speculative:
+            return (
+                f"speculative decoding ({self.speculative}): vLLM routes every draft position"
+                " through the MoE layers, rejected ones too, so a request's decode counts"
+                " would include tokens it never generated, and a drafter with MoE layers"
+                " (EAGLE, MTP) would record its own forward. Start the worker without"
+                " --speculative-config"
+            )
         if self.expert and self.on_cpu:
             return (
                 "expert parallel (--enable-expert-parallel) on vLLM's CPU build, which crashes"
@@ -90,6 +108,13 @@ class ParallelLayout:
                 " (scripts/gpu-check.sh). Use --tensor-parallel-size on CPU"
             )
         return None
+
+
+def describe_speculative(method: str | None, model: str | None, tokens: int | None) -> str:
+    """``"eagle, 2 draft tokens"``: the method as vLLM infers it when only a model is named
+    (n-gram, else a draft model)."""
+    name = method or ("ngram" if model in ("ngram", "[ngram]") else "draft model")
+    return f"{name}, {tokens} draft tokens" if tokens else name
 
 
 def check_layout(layout: ParallelLayout) -> None:

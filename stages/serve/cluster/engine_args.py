@@ -9,10 +9,12 @@ eldr option to use instead. Everything else goes to every started worker unchang
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from stages.capture.parallel import ParallelLayout
+from stages.capture.parallel import ParallelLayout, describe_speculative
 from stages.errors import EldrError
 
 # vLLM flag -> what to use instead.
@@ -21,6 +23,7 @@ OWNED_BY_ELDR = {
     "--port": "--worker-port",
     "--host": "(workers listen on 127.0.0.1; the proxy's address is --host)",
     "--kv-transfer-config": "(eldr composes its connector with NixlConnector itself)",
+    "--kv-events-config": "(eldr's workers publish KV events where its proxies listen)",
     "--served-model-name": "--served-model-name",
     "--max-num-seqs": "--max-num-seqs",
     "--max-model-len": "--max-model-len",
@@ -61,17 +64,37 @@ def parallel_layout(args: Sequence[str], tensor: int, on_cpu: bool) -> ParallelL
     parser.add_argument("--ubatch-size", type=int, default=1)
     parser.add_argument("--enable-dbo", action="store_true")
     parser.add_argument("--enable-expert-parallel", "-ep", action="store_true")
+    parser.add_argument("--speculative-config", "-sc", type=_json_object, default=None)
+    parser.add_argument("--spec-method", default=None)
+    parser.add_argument("--spec-model", default=None)
+    parser.add_argument("--spec-tokens", type=int, default=None)
     try:
         known, _ = parser.parse_known_args(list(args))
     except argparse.ArgumentError as exc:
         raise EldrError(f"--vllm-arg: {exc}") from None
+    drafting = {**(known.speculative_config or {}),
+                **{k: v for k, v in (("method", known.spec_method), ("model", known.spec_model),
+                                     ("num_speculative_tokens", known.spec_tokens))
+                   if v is not None}}
     return ParallelLayout(
         tensor=tensor, pipeline=known.pipeline_parallel_size, data=known.data_parallel_size,
         prefill_context=known.prefill_context_parallel_size,
         decode_context=known.decode_context_parallel_size,
         micro_batches=2 if known.enable_dbo else known.ubatch_size,
         expert=known.enable_expert_parallel, on_cpu=on_cpu,
+        speculative=describe_speculative(drafting.get("method"), drafting.get("model"),
+                                         drafting.get("num_speculative_tokens"))
+        if drafting else "",
     )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s value, as vLLM parses it (JSON)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    return value if isinstance(value, dict) else {}
 
 
 def check_recordable(args: Sequence[str], tensor: int, on_cpu: bool, role: str) -> None:
