@@ -47,8 +47,9 @@ def bench(
         help="Policies of the eldr proxy to compare, comma separated. Default: every policy,"
         " or none when --router is given.", show_default=False)] = None,
     router: Annotated[list[str] | None, typer.Option(
-        help="--workload: also bench this OpenAI endpoint as one router, NAME=URL"
-        " (repeatable; driven as it is, no admin calls), e.g. vllm-router=http://HOST:PORT.",
+        help="Also bench this OpenAI endpoint as one router, NAME=URL (repeatable; driven as"
+        " it is, no admin calls, taking its turn in every round), e.g."
+        " vllm-router=http://HOST:PORT.",
         show_default=False)] = None,
     workload: Annotated[str | None, typer.Option(
         help="Traffic with history: 'conversations' (the bundled generator: a shared system"
@@ -82,8 +83,9 @@ def bench(
         " separated. Default: the eldr proxy's (/admin/state) when a policy is benched.",
         show_default=False)] = None,
     decode_urls: Annotated[str | None, typer.Option(
-        help="--workload: decode workers whose KV-transfer counters to read, comma separated."
-        " Default: the eldr proxy's.", show_default=False)] = None,
+        help="Decode workers whose counters to read (KV pulled, experts), comma separated."
+        " Default: the eldr proxy's (/admin/state) when a policy is benched.",
+        show_default=False)] = None,
     cache_blocks: Annotated[int, typer.Option(
         help="--simulate --workload: each worker's prefix cache, in KV blocks (an LRU).",
         min=1)] = 8192,
@@ -176,9 +178,10 @@ def bench(
     options = policy_config(policy_options)
     default_policies = "" if router else ALL_POLICIES
     names = tuple(p.strip() for p in (policies or default_policies).split(",") if p.strip())
-    if workload is None and (router or workload_file is not None):
-        raise EldrError("--router and a workload FILE go with --workload (conversations or"
-                        " sharegpt FILE)")
+    if workload is None and workload_file is not None:
+        raise EldrError(f"a workload FILE ({workload_file}) goes with --workload sharegpt")
+    if router and (simulate or engine_cost):
+        raise EldrError("--router benches a live endpoint: not with --simulate or --engine-cost")
     if workload is not None:
         from stages.bench.workloads.conversations import ConversationSpec
 
@@ -220,13 +223,16 @@ def bench(
                         echo=typer.echo, warn=lambda line: typer.echo(line, err=True))
     else:
         from stages.bench.live.live_run import BenchConfig, artifact_num_layers, run_live
+        from stages.bench.live.targets import parse_router, parse_urls
 
         rates = _live_rates(request_rate)
         run_live(BenchConfig(
             url=url.rstrip("/"), policies=names, prompts_path=prompts_path,
             num_prompts=num_prompts, request_rate=rates[0], max_concurrency=max_concurrency,
             seed=seed, result_dir=result_dir, max_tokens=max_tokens, rounds=rounds,
-            num_layers=artifact_num_layers(), policy_config=options,
+            num_layers=artifact_num_layers() if names else None, policy_config=options,
+            routers=tuple(parse_router(r) for r in router or ()),
+            decode_urls=parse_urls(decode_urls),
         ), rates, typer.echo)
 
 

@@ -130,7 +130,8 @@ def test_a_router_benches_conversations_with_their_real_answers(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--router", "x=http://h:1"], "go with --workload"),
+    (["--router", "x=http://h:1", "--simulate"], "not with --simulate"),
+    (["some.json"], "goes with --workload sharegpt"),
     (["--workload", "sharegpt"], "needs the file"),
     (["--workload", "chats"], "unknown --workload"),
     (["--workload", "conversations", "--router", "bad"], "NAME=URL"),
@@ -194,3 +195,21 @@ def test_the_cli_simulates_the_conversation_workload(monkeypatch: pytest.MonkeyP
     bad = runner.invoke(app, ["bench", "--simulate", "--workload", "conversations",
                               "--request-rate", "50%"])
     assert isinstance(bad.exception, EldrError) and "conversations a second" in str(bad.exception)
+
+
+def test_single_turn_bench_drives_a_router_as_it_is(
+    router: tuple[BackgroundServer, FakeBehavior], tmp_path: Path
+) -> None:
+    """`eldr bench --router NAME=URL` without an eldr proxy: completions to the router only,
+    no admin call, its row in the table and its results file."""
+    server, behavior = router
+    result = runner.invoke(app, [
+        "bench", "--router", f"fake={server.url}", "--num-prompts", "4", "--rounds", "2",
+        "--request-rate", "inf", "--max-tokens", "3", "--result-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert {r.path for r in behavior.received} == {"/v1/completions"}
+    assert len(behavior.received) == 4
+    doc = json.loads((tmp_path / "fake-infqps.json").read_text())
+    assert doc["completed"] == 4 and doc["failed"] == 0
+    assert doc["routers"] == {"fake": server.url} and doc["policy_order"] == ["fake", "fake"]
+    assert "\nfake " in result.output

@@ -2,7 +2,9 @@
 
 The sampled prompts (and their Poisson arrival offsets) are cut into ``rounds`` consecutive
 slices. In round r every policy replays slice r from an idle cluster, in an order rotated by r,
-after switching the proxy with ``POST /admin/policy`` (no restart). Drift of the machine
+after switching the proxy with ``POST /admin/policy`` (no restart); a ``router`` (any
+OpenAI endpoint: vllm-router, another proxy) takes its turn as it is, with no admin call, so
+one run benches eldr's policies and other routers on the same workers. Drift of the machine
 (thermal state, a neighbour's load, cache warmth) thus lands on all policies alike, and no
 policy always goes first. Expert activity is the delta of the decode workers' counters over
 each policy's own windows.
@@ -28,6 +30,7 @@ from tqdm import tqdm
 from stages.bench.live.admin import ProxyAdmin, decode_worker_urls
 from stages.bench.live.arrivals import poisson_arrivals
 from stages.bench.live.client import CompletionSettings, stream_completion
+from stages.bench.live.targets import Target
 from stages.bench.live.worker_metrics import (
     ExpertStats,
     Scrape,
@@ -70,12 +73,22 @@ class BenchConfig:
     show_progress: bool = True
     # Options sent with each switch to a policy it names (the proxy keeps them afterwards).
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    # Other OpenAI endpoints benched beside the policies, each as it is (``--router``).
+    routers: tuple[Target, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every row of the comparison: the proxy's policies, then the routers."""
+        return self.policies + tuple(r.name for r in self.routers)
+
+    def url_of(self, name: str) -> str:
+        return next((r.url for r in self.routers if r.name == name), self.url)
 
     def __post_init__(self) -> None:
-        if not self.policies:
-            raise EldrError("give at least one policy")
-        if len(set(self.policies)) != len(self.policies):
-            raise EldrError(f"policy listed twice: {', '.join(self.policies)}")
+        if not self.names:
+            raise EldrError("give at least one policy or --router")
+        if len(set(self.names)) != len(self.names):
+            raise EldrError(f"policy or router listed twice: {', '.join(self.names)}")
         if self.num_prompts < 1:
             raise EldrError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if self.rounds < 1:
@@ -174,7 +187,7 @@ class _Runner:
             prompt = self.prompts[seg.start + i]
             call = stream_completion(
                 self.client,
-                cfg.url,
+                cfg.url_of(seg.policy),
                 prompt.prompt,
                 self.settings,
                 request_id=f"bench-{tag}-{seg.start + i}",
@@ -231,24 +244,28 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
     """The comparison at ``config.request_rate`` (async; see ``run_policy_comparison``)."""
     prompts = sample_prompts(load_prompts(config.prompts_path), config.num_prompts, config.seed)
     offsets = poisson_arrivals(len(prompts), config.request_rate, config.seed)
-    plan = interleaved_plan(len(prompts), config.policies, config.rounds, config.seed)
+    names = config.names
+    plan = interleaved_plan(len(prompts), names, config.rounds, config.seed)
     # vLLM's benchmark client has no connection cap; a pool limit would queue requests
     # client-side and charge the wait to TTFT.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(limits=limits, timeout=config.request_timeout_s) as client:
-        admin = ProxyAdmin(client, config.url)
-        state = await admin.state()
+        # The eldr proxy's admin API only when one of its policies is benched: a run of
+        # routers alone may have no eldr proxy at all.
+        admin = ProxyAdmin(client, config.url) if config.policies else None
+        state = await admin.state() if admin is not None else {}
         worker_urls = (
             config.decode_urls if config.decode_urls is not None else (decode_worker_urls(state))
         )
         if not worker_urls:
             log.warning("no decode worker URLs (proxy state or --decode-urls): no expert counts")
         initial_policy, initial_seed = state.get("policy"), state.get("policy_seed")
-        model_id = config.model or await admin.served_model()
-        outcomes: dict[str, list[_SegmentOutcome]] = {p: [] for p in config.policies}
+        models = admin or ProxyAdmin(client, config.url_of(names[0]))
+        model_id = config.model or await models.served_model()
+        outcomes: dict[str, list[_SegmentOutcome]] = {p: [] for p in names}
         policy_states: dict[str, dict] = {}
         with tqdm(
-            total=len(prompts) * len(config.policies),
+            total=len(prompts) * len(names),
             desc=f"bench {rate_label(config.request_rate)} req/s",
             unit="req",
             disable=not config.show_progress,
@@ -256,19 +273,21 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
             runner = _Runner(config, client, prompts, offsets, worker_urls, progress)
             for seg in plan:
                 progress.set_postfix(round=seg.round, policy=seg.policy)
-                policy_states[seg.policy] = await admin.set_policy(
-                    seg.policy, config.policy_config.overrides(seg.policy), seg.policy_seed
-                )
+                if admin is not None and seg.policy in config.policies:
+                    policy_states[seg.policy] = await admin.set_policy(
+                        seg.policy, config.policy_config.overrides(seg.policy), seg.policy_seed
+                    )
                 outcomes[seg.policy].append(await runner.run_segment(seg))
-        last = plan[-1]
-        if isinstance(initial_policy, str) and (
+        switched = [s for s in plan if s.policy in config.policies]
+        last = switched[-1] if switched else None
+        if admin is not None and last is not None and isinstance(initial_policy, str) and (
             initial_policy != last.policy or initial_seed != last.policy_seed
         ):
             # Leave the proxy as we found it.
             seed = initial_seed if isinstance(initial_seed, int) else None
             await admin.set_policy(initial_policy, seed=seed)
 
-    results = {p: _policy_result(p, outcomes[p]) for p in config.policies}
+    results = {p: _policy_result(p, outcomes[p]) for p in names}
     info: dict[str, object] = {
         "url": config.url,
         "model_id": model_id,
@@ -278,13 +297,14 @@ async def compare_policies(config: BenchConfig) -> ComparisonResult:
         "max_concurrency": config.max_concurrency,
         "max_tokens": config.max_tokens,
         "seed": config.seed,
-        "rounds": len(plan) // len(config.policies),
+        "rounds": len(plan) // len(names),
         "warmup_s": config.warmup_s,
         "decode_urls": list(worker_urls),
         "num_layers": config.num_layers,
         "policy_order": [s.policy for s in plan],
         "policy_seeds": [s.policy_seed for s in plan],
         "proxy_state": {p: policy_states[p] for p in config.policies},
+        "routers": {r.name: r.url for r in config.routers},
     }
     comparison = ComparisonResult(config.request_rate, results, info)
     if config.result_dir is not None:
