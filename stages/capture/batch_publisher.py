@@ -21,6 +21,13 @@ message: that is how ``eldr serve --record`` learns what a request's decode read
 requests waiting to be sent are bounded (``max_pending``); past it they are dropped and
 counted, never queued without end.
 
+A PUB socket drops a message for a subscriber that is behind (past its high-water mark), so the
+messages that carried finished requests are also kept (up to ``replay_bytes``) and served again
+on a ROUTER socket, as vLLM's KV-event publisher does (``vllm/distributed/kv_events.py``): each
+message names the publisher (``epoch``, new at each start) and the replay socket's port
+(``replay``, on the PUB endpoint's address); a proxy that sees a jump in ``seq`` asks for the
+messages it missed (``ReplayRequest``) and counts the gap, and what the buffer no longer holds.
+
 A request that arrived with its prefill signature (the proxies leave it in ``kv_transfer_params``
 for a worker that publishes) has the signature sent once, in the first message that lists the
 request (``signatures``): every proxy can then weigh the experts of the requests the others
@@ -37,7 +44,9 @@ otherwise, with a warning.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +113,8 @@ class BatchMessage:
     # name -> the signature's kv_transfer_params entries (``wire``), for requests new since the
     # previous message; decoded by whoever routes on them, as the prefill's are.
     signatures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    epoch: str = ""  # the publisher's, new at each start: a seq from another epoch is no gap
+    replay: int | None = None  # the port of its replay socket (None: it has none)
 
     def encode(self) -> bytes:
         message: dict[str, Any] = {"v": WIRE_VERSION, "seq": self.seq,
@@ -113,6 +124,10 @@ class BatchMessage:
             message["finished"] = [f.to_json() for f in self.finished]
         if self.signatures:
             message["signatures"] = self.signatures
+        if self.epoch:
+            message["epoch"] = self.epoch
+        if self.replay is not None:
+            message["replay"] = self.replay
         return orjson.dumps(message)
 
     @classmethod
@@ -135,8 +150,62 @@ class BatchMessage:
         if not isinstance(signatures, dict) or not all(
                 isinstance(v, dict) for v in signatures.values()):
             raise ValueError("a batch message's signatures must map request ids to objects")
+        epoch, replay = data.get("epoch", ""), data.get("replay")
+        if not isinstance(epoch, str) or not (replay is None or type(replay) is int):
+            raise ValueError("a batch message's epoch is a string and its replay port an integer")
         return cls(seq, frozenset(requests), tuple(FinishedRequest.from_json(f) for f in finished),
-                   signatures)
+                   signatures, epoch, replay)
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """A proxy's ask on the replay socket: the messages ``first`` to ``last`` (inclusive) of
+    publisher ``epoch``. The answer is a header (``{"complete": bool}``: False when the buffer
+    no longer held all that carried finished requests) and the kept messages in that range."""
+
+    epoch: str
+    first: int
+    last: int
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"epoch": self.epoch, "first": self.first, "last": self.last})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ReplayRequest:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"not JSON: {exc}") from exc
+        if not isinstance(data, dict) or not isinstance(data.get("epoch"), str) or not all(
+                type(data.get(k)) is int for k in ("first", "last")):
+            raise ValueError("a replay request needs an epoch and the first and last seq")
+        return cls(data["epoch"], data["first"], data["last"])
+
+
+class _ReplayBuffer:
+    """The last messages that carried finished requests, up to ``max_bytes`` (oldest out
+    first); ``floor``: every such message from this seq on is still here."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._kept: deque[tuple[int, bytes]] = deque()
+        self._bytes = 0
+        self._max_bytes = max_bytes
+        self.floor = 0
+        self._lock = threading.Lock()
+
+    def keep(self, seq: int, raw: bytes) -> None:
+        with self._lock:
+            self._kept.append((seq, raw))
+            self._bytes += len(raw)
+            while self._kept and self._bytes > self._max_bytes:
+                old, dropped = self._kept.popleft()
+                self._bytes -= len(dropped)
+                self.floor = old + 1
+
+    def between(self, first: int, last: int) -> tuple[bool, list[bytes]]:
+        """Whether every message from ``first`` is still known, and those kept up to ``last``."""
+        with self._lock:
+            return first >= self.floor, [raw for seq, raw in self._kept if first <= seq <= last]
 
 
 _EVERY_INTERFACE = frozenset({"*", "0.0.0.0", "::", "[::]", "[*]"})
@@ -160,7 +229,8 @@ class BatchPublisher:
     (``tcp://127.0.0.1:port``)."""
 
     def __init__(self, endpoint: str, min_interval_s: float = 0.005,
-                 heartbeat_s: float = 0.5, max_pending: int = 4096) -> None:
+                 heartbeat_s: float = 0.5, max_pending: int = 4096,
+                 replay_bytes: int = 16 << 20) -> None:
         self._held: dict[str, str] = {}  # vLLM's request id -> the name published
         self._new_signatures: dict[str, dict[str, Any]] = {}  # name -> signature, not yet sent
         self._finished: list[tuple[str, int, int, np.ndarray]] = []
@@ -183,9 +253,30 @@ class BatchPublisher:
             log.warning("eldr: the batch publisher binds %s, every interface: anyone who reaches"
                         " the port sees every request's id and prompt signature; bind"
                         " tcp://127.0.0.1:PORT or a private address", endpoint)
+        self._epoch = secrets.token_hex(8)
+        self._buffer = _ReplayBuffer(replay_bytes)
+        self._replay_socket, self._replay_port = self._bind_replay(endpoint)
         self._thread = threading.Thread(target=self._run, name="eldr-batch-publisher",
                                         daemon=True)
         self._thread.start()
+        self._replay_thread: threading.Thread | None = None
+        if self._replay_socket is not None:
+            self._replay_thread = threading.Thread(target=self._serve_replays,
+                                                   name="eldr-batch-replay", daemon=True)
+            self._replay_thread.start()
+
+    def _bind_replay(self, endpoint: str) -> tuple[zmq.Socket | None, int | None]:
+        """A ROUTER socket on the PUB endpoint's address, on a port of the kernel's choice
+        (sent in every message); none for an endpoint that is not ``tcp://``."""
+        if not endpoint.startswith("tcp://"):
+            return None, None
+        host = endpoint.removeprefix("tcp://").rpartition(":")[0]
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        if host.startswith("["):
+            router.setsockopt(zmq.IPV6, 1)
+        port = router.bind_to_random_port(f"tcp://{host}")
+        return router, port
 
     def add(self, request_id: str, name: str,
             signature: dict[str, Any] | None = None) -> None:
@@ -226,6 +317,29 @@ class BatchPublisher:
         self._stop.set()
         self._changed.set()
         self._thread.join(timeout=2)
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout=2)
+
+    def _serve_replays(self) -> None:
+        router = self._replay_socket
+        assert router is not None
+        try:
+            while not self._stop.is_set():
+                if not router.poll(100):
+                    continue
+                frames = router.recv_multipart()
+                try:
+                    ask = ReplayRequest.decode(frames[-1])
+                except ValueError as exc:
+                    log.warning("eldr: a replay request the batch publisher cannot read: %s", exc)
+                    continue
+                if ask.epoch != self._epoch:  # asked of the publisher before a restart
+                    complete, kept = False, []
+                else:
+                    complete, kept = self._buffer.between(ask.first, ask.last)
+                router.send_multipart([frames[0], orjson.dumps({"complete": complete}), *kept])
+        finally:
+            router.close()
 
     def _run(self) -> None:
         seq = 0
@@ -238,11 +352,14 @@ class BatchPublisher:
                     measured, self._finished = self._finished, []
                     signatures, self._new_signatures = self._new_signatures, {}
                 # A PUB socket never blocks: past its high-water mark it drops the message for
-                # that subscriber, which the next message (the whole set again) makes good
-                # (the finished requests it carried are lost; the proxy counts seq gaps).
+                # that subscriber, which the next message (the whole set again) makes good;
+                # the finished requests it carried are replayed to a proxy that asks.
                 finished = tuple(FinishedRequest.measured(*m) for m in measured)
-                self._socket.send(BatchMessage(seq, names, finished, signatures).encode(),
-                                  zmq.NOBLOCK)
+                raw = BatchMessage(seq, names, finished, signatures, self._epoch,
+                                   self._replay_port).encode()
+                if finished and self._replay_socket is not None:
+                    self._buffer.keep(seq, raw)
+                self._socket.send(raw, zmq.NOBLOCK)
                 seq += 1
                 # Changes in the next moments go out together, in the next message.
                 self._stop.wait(self._min_interval_s)

@@ -89,7 +89,10 @@ def _published(state: ProxyState, index: int) -> dict[str, Any]:
             "others_in_flight": int(batches.others[index]),
             # Of those, the ones whose experts routing weighs (their signatures came).
             "others_weighed": len(batches.weighed[index]),
-            "published_age_s": None if age is None else round(age, 3)}
+            "published_age_s": None if age is None else round(age, 3),
+            # Messages a jump in its seq showed missed, and of them those not replayed.
+            "messages_missed": int(batches.missed[index]),
+            "messages_lost": int(batches.lost[index])}
 
 
 def snapshot(state: ProxyState) -> dict[str, Any]:

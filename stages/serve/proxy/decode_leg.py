@@ -78,43 +78,51 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
     failures: list[str] = []
     refreshes = 0
     attempts = state.config.max_attempts
-    for attempt in range(attempts):
-        eligible = pool.eligible(exclude=tried)
-        if not eligible.any():
-            break
-        t0 = perf_counter()
-        worker, on_complete = router.choose(handoff.features, pool.loads(), eligible)
-        # The first decision also paid for the signature transform; retries reuse it.
-        metrics.decision_seconds.observe(
-            perf_counter() - t0 + (handoff.feature_seconds if not attempt else 0)
-        )
-        metrics.decisions.labels(router.policy_name, pool.name(worker)).inc()
-        if attempt:
-            metrics.retries.labels("decode").inc()
-        lease = pool.acquire(worker, on_complete, tag)
-        outcome = await _attempt(ctx, lease, payload)
-        if not isinstance(outcome, Failure):
-            pool.record_success(worker)
-            if record:
-                recorder.answered(tag)
-            return outcome
-        log.warning(
-            "request %s: decode worker %s failed before streaming (%.1f s in): %s",
-            ctx.request_id, lease.url, ctx.elapsed(), outcome.reason,
-        )
-        pool.record_failure(worker, outcome.reason)
-        tried.append(worker)
-        failures.append(f"{lease.url}: {outcome.reason}")
-        if outcome.delivered and attempt + 1 < attempts and pool.eligible(exclude=tried).any():
-            # A request id of its own: the first hand-off may still be registered on the
-            # prefill worker under the original id, and NIXL tracks hand-offs by request id.
-            refreshes += 1
-            retry = ctx.with_request_id(f"{ctx.request_id}-retry{refreshes}")
-            if tag is not None:
+    try:
+        for attempt in range(attempts):
+            eligible = pool.eligible(exclude=tried)
+            if not eligible.any():
+                break
+            t0 = perf_counter()
+            worker, on_complete = router.choose(handoff.features, pool.loads(), eligible)
+            # The first decision also paid for the signature transform; retries reuse it.
+            metrics.decision_seconds.observe(
+                perf_counter() - t0 + (handoff.feature_seconds if not attempt else 0)
+            )
+            metrics.decisions.labels(router.policy_name, pool.name(worker)).inc()
+            if attempt:
+                metrics.retries.labels("decode").inc()
+            lease = pool.acquire(worker, on_complete, tag)
+            outcome = await _attempt(ctx, lease, payload)
+            if not isinstance(outcome, Failure):
+                pool.record_success(worker)
                 if record:
-                    recorder.renamed(tag, retry.request_id)
-                tag = retry.request_id
-            payload = ctx.legs.decode_payload(await run_prefill(retry), tag, record)
+                    recorder.answered(tag)
+                return outcome
+            log.warning(
+                "request %s: decode worker %s failed before streaming (%.1f s in): %s",
+                ctx.request_id, lease.url, ctx.elapsed(), outcome.reason,
+            )
+            pool.record_failure(worker, outcome.reason)
+            tried.append(worker)
+            failures.append(f"{lease.url}: {outcome.reason}")
+            if (outcome.delivered and attempt + 1 < attempts
+                    and pool.eligible(exclude=tried).any()):
+                # A request id of its own: the first hand-off may still be registered on the
+                # prefill worker under the original id, and NIXL tracks hand-offs by request id.
+                refreshes += 1
+                retry = ctx.with_request_id(f"{ctx.request_id}-retry{refreshes}")
+                if tag is not None:
+                    if record:
+                        recorder.renamed(tag, retry.request_id)
+                    tag = retry.request_id
+                payload = ctx.legs.decode_payload(await run_prefill(retry), tag, record)
+    except BaseException:
+        # A 4xx from the worker, the client gone (a cancel), a retry whose prefill
+        # failed: no worker will report this request finished, so no entry waits.
+        if record:
+            recorder.dropped(tag)
+        raise
     if record:
         recorder.dropped(tag)
     if not tried:

@@ -17,7 +17,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from stages.serve.proxy.published_batches import PublishedBatches
+from stages.serve.proxy.published_batches import BatchGapCounts, PublishedBatches
 from stages.serve.proxy.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -277,6 +277,7 @@ class ProxyMetrics:
             age.labels(name).set_function(
                 lambda i=i: -1.0 if (a := published.age_s(i)) is None else a
             )
+        r.register(BatchGapCounts(published, [decode.name(i) for i in range(len(decode))]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,14 +27,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
 import zmq
 import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from stages.capture.batch_publisher import BatchMessage, FinishedRequest
+from stages.serve.proxy.batch_replay import GapFiller
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ class PublishedBatches:
         # Per worker, the others' requests the listener was told of (their experts weighed).
         self.weighed: list[set[str]] = [set() for _ in range(num_workers)]
         self.listener: OthersListener | None = None
+        # Messages a jump in a worker's seq showed missed, and of them those not replayed.
+        self.missed = np.zeros(num_workers, dtype=np.int64)
+        self.lost = np.zeros(num_workers, dtype=np.int64)
         self._heard = np.full(num_workers, -np.inf)
         self._own: set[str] = set()  # sent by this proxy, not ended
         self._ended: dict[str, float] = {}  # ended here -> when (oldest first)
@@ -104,6 +110,15 @@ class PublishedBatches:
         self._others[worker] = len(others)
         self._tell(worker, others, signatures or {})
 
+    def gap(self, worker: int, missed: int, lost: int) -> None:
+        """``missed`` messages of worker ``worker`` did not come; ``lost`` of them were not
+        replayed either (the finished requests they carried will not be recorded)."""
+        self.missed[worker] += missed
+        self.lost[worker] += lost
+        if lost:
+            log.warning("decode worker %d: %d batch messages lost (not replayed); recorded"
+                        " requests they finished are not written", worker, lost)
+
     def _expire(self) -> None:
         """Count none of the others' requests on a worker silent for ``stale_after_s``."""
         now = self._clock()
@@ -146,6 +161,28 @@ class PublishedBatches:
             del ended[name]
 
 
+class BatchGapCounts(Collector):
+    """``eldr_router_decode_batch_messages_missed_total`` and ``..._lost_total`` per decode
+    worker (named ``names``), read from ``PublishedBatches`` at scrape time."""
+
+    def __init__(self, batches: PublishedBatches, names: list[str]) -> None:
+        self._batches, self._names = batches, names
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        missed = CounterMetricFamily(
+            "eldr_router_decode_batch_messages_missed", "Batch messages of a decode worker that"
+            " did not come (a jump in its seq); replayed when the worker still held them.",
+            labels=["worker"])
+        lost = CounterMetricFamily(
+            "eldr_router_decode_batch_messages_lost", "Of them, the ones not replayed either:"
+            " recorded requests they finished are not written.", labels=["worker"])
+        for i, name in enumerate(self._names):
+            missed.add_metric([name], float(self._batches.missed[i]))
+            lost.add_metric([name], float(self._batches.lost[i]))
+        yield missed
+        yield lost
+
+
 OnFinished = Callable[[FinishedRequest], None]
 
 
@@ -171,6 +208,7 @@ async def _follow(context: zmq.asyncio.Context, worker: int, endpoint: str,
     socket.setsockopt(zmq.SUBSCRIBE, b"")
     socket.setsockopt(zmq.RCVHWM, 16)
     socket.connect(endpoint)
+    gaps = GapFiller(context, endpoint)
     warned = False
     try:
         while True:
@@ -184,9 +222,13 @@ async def _follow(context: zmq.asyncio.Context, worker: int, endpoint: str,
                                 worker, endpoint, exc, stale_after_s)
                     warned = True
                 continue
+            missed, lost, replayed = await gaps.missed(message)
+            if missed:
+                batches.gap(worker, missed, lost)
             batches.heard(worker, message.requests, message.signatures)
             if on_finished is not None:
-                for finished in message.finished:
+                for finished in (*(f for m in replayed for f in m.finished), *message.finished):
                     on_finished(finished)
     finally:
+        gaps.close()
         socket.close(linger=0)

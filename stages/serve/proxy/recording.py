@@ -10,9 +10,14 @@ Complete rows go to a writer process (``DatasetAppender``) every ``handover_s`` 
 waits on a disk or a worker, or decodes: the request path only files the entries it was sent,
 and the writer decodes and hashes them (``recorded_row``).
 
-Bounded: entries whose request never comes back (a worker that died, a message the PUB socket
-dropped) are forgotten after ``forget_after_s``, and at most ``max_pending`` wait; both are
-counted. A new dataset's model identity is ``recorded_row.identity_of``'s.
+A message a proxy missed is replayed from the worker's buffer (``batch_replay``); a gap it can
+no longer fill is counted at once (``eldr_router_decode_batch_messages_lost_total``, and
+``messages_lost`` per decode worker in ``/admin/state``). A request that fails on its way (a
+4xx, the client gone, a retry whose prefill failed, every worker failed) has its entry dropped
+there (``dropped``): no worker will report it finished. Bounded: entries whose request never
+comes back all the same (a worker that died mid-request) are forgotten after
+``forget_after_s``, and at most ``max_pending`` wait; both are counted. A new dataset's model
+identity is ``recorded_row.identity_of``'s.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class TrafficRecorder:
             entry.ttft_s = time.monotonic() - entry.arrived
 
     def dropped(self, name: str) -> None:
-        """The request will not come back to be recorded (it failed on every worker)."""
+        """The request will not come back to be recorded (it failed, or its client left)."""
         self._pending.pop(name, None)
 
     # -- the worker's side (the batch subscription) -----------------------------------------
