@@ -64,7 +64,8 @@ def bench(
     system_tokens: Annotated[int, typer.Option(
         help="--workload conversations: tokens of each system prompt.", min=0)] = 256,
     message_tokens: Annotated[int, typer.Option(
-        help="--workload conversations: each user message cut to this many tokens.", min=1)]
+        help="--workload: each user message cut to this many tokens (a ShareGPT file's too).",
+        min=1)]
     = 128,
     think_time: Annotated[float, typer.Option(
         help="--workload: seconds from an answer to the next turn.", min=0.0)] = 1.0,

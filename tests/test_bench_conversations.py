@@ -157,7 +157,9 @@ def test_the_cli_passes_the_workload_options(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(conversation_bench, "run_conversation_bench", fake_run)
     sharegpt = tmp_path / "sg.json"
-    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}]))
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"},
+                                                        {"from": "human",
+                                                         "value": "long " * 5000}]}]))
     result = runner.invoke(app, [
         "bench", "--workload", "sharegpt", str(sharegpt), "--policies", "rr",
         "--router", "vr=http://h:9", "--turns", "4", "--think-time", "0.5",
@@ -171,7 +173,9 @@ def test_the_cli_passes_the_workload_options(monkeypatch: pytest.MonkeyPatch,
     assert seen["block_size"] == 16
     # The ShareGPT source salts every run's draw.
     first = config.source(0, "salt-a")[0]
-    assert first.user_messages == ("hi",) and first.system.startswith("Session salt-a.")
+    assert first.user_messages[0] == "hi" and first.system.startswith("Session salt-a.")
+    # Messages cut to --message-tokens (128 by default), so none outgrows the model alone.
+    assert len(config.tokenizer.encode(first.user_messages[1])) <= 128
 
 
 def test_the_cli_simulates_the_conversation_workload(monkeypatch: pytest.MonkeyPatch,

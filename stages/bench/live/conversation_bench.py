@@ -23,8 +23,12 @@ from stages.bench.live.conversation_summary import (
     save_conversation_results,
 )
 from stages.bench.report import format_conversations
-from stages.bench.workloads.chat_tokens import ChatTokenizer
-from stages.bench.workloads.conversations import ConversationSpec, generate_conversations
+from stages.bench.workloads.chat_tokens import ChatTokenizer, cut_to_tokens
+from stages.bench.workloads.conversations import (
+    Conversation,
+    ConversationSpec,
+    generate_conversations,
+)
 from stages.errors import EldrError
 from stages.prompts import load_prompts
 
@@ -51,7 +55,16 @@ def conversation_source(choice: WorkloadChoice, tokenizer: ChatTokenizer, seed: 
         if choice.sharegpt_path is None:
             raise EldrError("--workload sharegpt needs the file: --workload sharegpt FILE")
         items = load_sharegpt(choice.sharegpt_path)
-        return seeded_draw(items, choice.spec.conversations, seed)
+        draw = seeded_draw(items, choice.spec.conversations, seed)
+        limit = choice.spec.message_tokens
+
+        def cut(run_index: int, salt: str) -> list[Conversation]:
+            # A ShareGPT message can outgrow a small model's whole length on its own.
+            return [replace(c, user_messages=tuple(cut_to_tokens(tokenizer, m, limit)
+                                                   for m in c.user_messages))
+                    for c in draw(run_index, salt)]
+
+        return cut
     raise EldrError(f"unknown workload {choice.kind!r}; choose conversations or sharegpt")
 
 
