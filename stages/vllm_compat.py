@@ -61,10 +61,15 @@ def minor(release: str) -> str:
     return ".".join(release.split("+")[0].split(".")[:2])
 
 
+def run_minors() -> tuple[str, ...]:
+    """The minor releases eldr's real-vLLM tests ran on, less those ``NEVER_RUN_ENV`` names."""
+    never = {m.strip() for m in os.environ.get(NEVER_RUN_ENV, "").split(",") if m.strip()}
+    return tuple(m for m in RUN_MINORS if m not in never)
+
+
 def was_run(release: str) -> bool:
     """True when eldr's real-vLLM tests ran on this release's minor version."""
-    never = {m.strip() for m in os.environ.get(NEVER_RUN_ENV, "").split(",") if m.strip()}
-    return minor(release) in RUN_MINORS and minor(release) not in never
+    return minor(release) in run_minors()
 
 
 def gate() -> VllmGate:
@@ -86,12 +91,13 @@ def gate() -> VllmGate:
         raise EldrError(
             f"vLLM {release} lacks what eldr's plugin relies on: {named}{more}. All of them:"
             f" python -m stages.vllm_static_check --installed. Install a release eldr runs"
-            f" on (run: {', '.join(RUN_MINORS) or 'none'}): {INSTALL_HINT}"
+            f" on (run: {', '.join(run_minors()) or 'none'}): {INSTALL_HINT}"
         )
     checked = sum(r.touchpoint.check is not Check.BEHAVIOUR for r in results)
     return VllmGate(release, (
         f"vLLM {release}: {NOT_RUN} were not run on this release (run on"
-        f" {', '.join(RUN_MINORS)}); its sources pass eldr's static check of {checked} vLLM"
+        f" {', '.join(run_minors()) or 'none'}); its sources pass eldr's static check of"
+        f" {checked} vLLM"
         " touchpoints. Every worker's self-check, and eldr capture's check of its engine,"
         " refuse one that records wrong"
     ))

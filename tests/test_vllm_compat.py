@@ -63,6 +63,8 @@ def test_a_release_never_run_passes_with_a_warning_naming_what_was_not_run(
     assert f"vLLM {release}: eldr's real-vLLM tests (capture, serve, architectures) were" \
            " not run" in gate.warning
     assert "static check" in gate.warning and "self-check" in gate.warning
+    assert f"(run on {', '.join(vllm_compat.run_minors()) or 'none'})" in gate.warning
+    assert vllm_compat.minor(release) not in vllm_compat.run_minors()
     assert vllm_compat.check_vllm() == release
     assert gate.warning in caplog.text
 
