@@ -2,10 +2,11 @@
 worker pulls, and conversations whose next turn waits for the last answer.
 
 Per turn: it arrives (a conversation's first turn at its Poisson start, turn k+1 the think
-time after turn k's last token) -> a prefill worker is chosen: by a KV-aware policy's
-``choose_prefill`` (each worker's queue and the prompt tokens its cache lacks), else by the
-proxy's own prefix-hash ring (``PrefillRouter``, on the prompt's first 1,024 bytes: here its
-first 256 token ids as int32) -> the prefill runs FIFO, ``prefill_base_s + per token x
+time after turn k's last token) -> a prefill worker is chosen: by the policy's
+``choose_prefill`` (a KV-aware policy's: each worker's queue and the prompt tokens its cache
+lacks), or where it has none or answers None, by the proxy's own prefix-hash ring
+(``PrefillRouter``, on the prompt's first 1,024 bytes: here its first 256 token ids as int32)
+-> the prefill runs FIFO, ``prefill_base_s + per token x
 uncached tokens`` (its cache's hit counted when it is queued), and its prompt's blocks enter
 that worker's cache -> the decode policy chooses a decode worker from the loads, the
 signature, the prompt's length and the tokens each decode worker holds as a cached prefix ->
@@ -117,6 +118,10 @@ class _Run:
         from stages.serve.proxy.prefill_router import PrefillRouter
 
         self.cfg, self.turns, self.policy = config, turns, policy
+        # A policy that routes prefill too (KV-aware) has its own choice; the others (no
+        # ``choose_prefill``, or one that answers None) get the proxy's prefix-hash ring.
+        self.choose_prefill: Callable[[PrefillRequest], int | None] | None = getattr(
+            policy, "choose_prefill", None)
         self.hashes, self.answer_hashes = hashes, answer_hashes
         self.arrays, self.profiles, self.transform = arrays, profiles, transform
         self.ring = PrefillRouter([f"prefill-{i}" for i in range(config.num_prefill)])
@@ -163,13 +168,15 @@ class _Run:
         self.arrival[r] = t
         prompt = self.turns.prompts[r]
         cached = self._cached_tokens(self.prefill_caches, r)
-        if self.policy.reads_kv:
-            request = PrefillRequest(self.prefill_loads.copy(), self.prefill_eligible,
-                                     int(prompt.size), cached, self.prefill_queued.copy())
-            w = int(self.policy.choose_prefill(request))  # type: ignore[attr-defined]
-        else:
+        chosen = None
+        if self.choose_prefill is not None:
+            chosen = self.choose_prefill(PrefillRequest(
+                self.prefill_loads.copy(), self.prefill_eligible, int(prompt.size), cached,
+                self.prefill_queued.copy()))
+        if chosen is None:
             key = prompt[:PREFIX_HASH_TOKENS].astype(np.int32).tobytes()
-            w = self.ring.choose(key, self.prefill_loads, self.prefill_eligible)
+            chosen = self.ring.choose(key, self.prefill_loads, self.prefill_eligible)
+        w = int(chosen)
         if not 0 <= w < self.cfg.num_prefill:
             raise EldrError(f"policy {self.policy.name} chose prefill worker {w}")
         uncached = int(prompt.size - cached[w])
