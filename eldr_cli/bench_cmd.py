@@ -100,8 +100,9 @@ def bench(
         " --simulate also takes 'N%' of the cluster's capacity (from the cost model, decode"
         " and prefill workers, output length and batch slots) and 'auto' (50%,70%,85%).")]
     = "2",
-    max_concurrency: Annotated[int | None, typer.Option(help="Cap on requests in flight.")]
-    = None,
+    max_concurrency: Annotated[int | None, typer.Option(
+        help="Cap on requests in flight; with --workload, conversations in flight (default"
+        " 3).", show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option(help="Output tokens per request (ignore_eos).")]
     = 64,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds: each runs every policy on a"
