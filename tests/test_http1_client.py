@@ -403,6 +403,22 @@ def test_waiting_for_a_free_connection_is_bounded_and_served_in_turn() -> None:
     run(main())
 
 
+def test_on_connection_is_called_once_a_connection_is_held_not_while_waiting() -> None:
+    async def main() -> None:
+        async with Server(keep_answering()) as server, Http1Client(1, 4.0) as client:
+            held = await client.post(server.url, "/x", b"{}", {}, FAST)
+            calls: list[int] = []
+            waiting = asyncio.create_task(client.post(
+                server.url, "/x", b"{}", {}, FAST, lambda: calls.append(len(server.requests))))
+            await asyncio.sleep(0.1)
+            assert calls == []  # still waiting for the proxy's own connection
+            await held.read()
+            await (await waiting).read()
+            assert calls == [1]  # once, before its request went out
+
+    run(main())
+
+
 def test_a_request_cancelled_while_waiting_for_a_slot_leaks_nothing() -> None:
     async def main() -> None:
         async with Server(keep_answering()) as server, Http1Client(1, 4.0) as client:

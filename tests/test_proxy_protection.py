@@ -142,6 +142,37 @@ def test_requests_let_in_count_before_they_lease_a_worker() -> None:
     admit(state)
 
 
+def test_waiting_for_the_proxys_own_connection_is_not_a_slow_first_token() -> None:
+    """A stream's first-token limit is the worker's: time spent waiting for one of the proxy's
+    connections (``max_connections``) does not count against it. One connection, two streams:
+    A's prefill ends and hands the connection to B's prefill, waiting since; A's decode then
+    waits (longer than the first-token limit) for B's prefill, then streams."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    behaviors = [FakeBehavior("p0", delay_s=0.5), FakeBehavior("d0")]
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    config = fast_config([workers[0].url], [workers[1].url], policy="rr", max_connections=1,
+                         first_token_timeout_s=0.3,
+                         ejection=Ejection(after_failures=1, base_s=30, max_s=60))
+    body = {"prompt": "s", "max_tokens": 2, "stream": True}
+    try:
+        with BackgroundServer(create_app(config)) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=20) as client, \
+                ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client.post, "/v1/completions", json=body)
+            time.sleep(0.2)  # A is prefilling: B waits for the connection
+            second = pool.submit(client.post, "/v1/completions", json=body)
+            for answer in (first.result(), second.result()):
+                assert answer.status_code == 200, answer.text
+                assert answer.content.endswith(b"data: [DONE]\n\n")
+                assert b'"error"' not in answer.content
+            decode = client.get("/admin/state").json()["decode_workers"][0]
+            assert decode["last_error"] is None and decode["ejections"] == 0, decode
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def test_a_split_request_reserves_a_place_for_each_of_its_sequences() -> None:
     """``max_queued`` bounds sequences: a request for n choices or a batch of prompts leases a
     worker per sequence, so it is let in only with room for all of them."""

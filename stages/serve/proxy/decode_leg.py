@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from time import perf_counter
@@ -31,7 +30,7 @@ from stages.serve.proxy.request_context import RequestContext
 from stages.serve.proxy.responses import ProxyError, UpstreamClientError
 from stages.serve.proxy.sse import DONE_EVENT, IncompleteEvent, error_event, is_done, whole_events
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
+from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, start_at_connection
 from stages.serve.proxy.workers import Lease
 
 log = logging.getLogger(__name__)
@@ -140,14 +139,17 @@ async def _attempt(ctx: RequestContext, lease: Lease, payload: bytes) -> Answer 
     handed_off = False
     # A stream's first event must come in time (a worker that took the connection and hangs
     # fails over); a whole answer comes only when the decode is done, under decode_timeout_s.
+    # The time runs from when the proxy holds a connection: waiting for one of its own is no
+    # worker's doing (that wait has its own limit, http1.PoolExhausted).
     # asyncio's own timeout: an anyio cancel scope costs several times more per request.
     limit = state.config.first_token_timeout_s
-    deadline = asyncio.timeout(limit if ctx.stream and math.isfinite(limit) else None)
+    deadline = asyncio.timeout(None)
+    on_connection = start_at_connection(deadline, limit) if ctx.stream else None
     try:
         try:
             async with deadline:
                 upstream = await state.leg_client.post(
-                    lease.url, ctx.path, payload, ctx.headers, state.decode_limits
+                    lease.url, ctx.path, payload, ctx.headers, state.decode_limits, on_connection
                 )
                 if upstream.status >= 500:
                     text = (await upstream.read())[:500].decode(errors="replace")

@@ -27,7 +27,7 @@ import math
 import re
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import overload
 from urllib.parse import urlsplit
@@ -437,14 +437,17 @@ class Http1Client:
         return 0 if origin is None else sum(not c.closed for c in origin.idle)
 
     async def post(
-        self, url: str, path: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts
+        self, url: str, path: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts,
+        on_connection: Callable[[], None] | None = None,
     ) -> Response:
         """POST ``body`` to ``url`` + ``path``; the answer once its headers arrived.
 
         ``headers`` must not repeat Host, Content-Length or the client's own headers; ``path``
         must be a URL's path (and query) as it goes on the request line, or ValueError. Raises
         ``NotDelivered`` when the request never left, ``UpstreamError`` when it failed after,
-        ``PoolExhausted`` when no connection slot came free in time.
+        ``PoolExhausted`` when no connection slot came free in time. ``on_connection`` is
+        called once a connection is held, before the request is sent (a caller's own limit on
+        the worker's answer starts there, past the wait for the proxy's own connection).
         """
         if _REQUEST_PATH.fullmatch(path) is None:
             # A path decoded from a client's URL could hold a line break (a route pattern's
@@ -460,6 +463,8 @@ class Http1Client:
         ).encode("latin-1")
         conn = await self._acquire(origin, timeouts)
         try:
+            if on_connection is not None:
+                on_connection()
             conn.send(head, body, timeouts.read_s)
             while not conn.headers_done:
                 if conn.error is not None:

@@ -10,6 +10,10 @@ latency the proxy added when it carried the legs.)
 
 from __future__ import annotations
 
+import asyncio
+import math
+from collections.abc import Callable
+
 import aiohttp
 
 from stages.serve.proxy.config import ProxyConfig
@@ -51,6 +55,18 @@ def leg_limits(read_s: float, connect_s: float) -> Timeouts:
     connection and opening one together get ``read_s + connect_s``.
     """
     return Timeouts(read_s=read_s, connect_s=connect_s, acquire_s=read_s + connect_s)
+
+
+def start_at_connection(deadline: asyncio.Timeout, limit_s: float) -> Callable[[], None] | None:
+    """``Http1Client.post``'s ``on_connection`` that sets ``deadline`` ``limit_s`` from the
+    moment a connection is held (None for an infinite limit: nothing to set)."""
+    if not math.isfinite(limit_s):
+        return None
+
+    def start() -> None:
+        deadline.reschedule(asyncio.get_running_loop().time() + limit_s)
+
+    return start
 
 
 def bearer_header(key: str | None) -> dict[str, str]:
