@@ -27,9 +27,12 @@ def serve(
         show_default=False)] = None,
     prefill: Annotated[int, typer.Option(help="Prefill workers to start.", min=1)] = 1,
     decode: Annotated[int, typer.Option(help="Decode workers to start.", min=1)] = 2,
-    policy: Annotated[str, typer.Option(help=f"Decode routing: {', '.join(POLICIES)} (README:"
-                                        " which policy). The admin API switches it later.")]
-    = "eldr",
+    policy: Annotated[str, typer.Option(help=f"Routing: {', '.join(POLICIES)} (README:"
+                                        " which policy). eldr-kv routes both legs by the KV"
+                                        " each worker holds and decode by experts too; the"
+                                        " others route prefill by a prefix hash. The admin API"
+                                        " switches it later.")]
+    = "eldr-kv",
     policy_options: PolicyConfigOption = None,
     artifact: Annotated[str, typer.Option(help="Artifact version from `eldr fit` (or 'latest').")]
     = "latest",
@@ -51,6 +54,11 @@ def serve(
         help="With --attach-decode: where each decode worker publishes its running batch (repeat,"
         " in --attach-decode order; `eldr worker-args decode --publish-batch`), so several"
         " proxies each route on every proxy's requests.", show_default=False)] = None,
+    attach_kv_events: Annotated[list[str] | None, typer.Option(
+        help="With --attach-*: where each worker publishes vLLM's KV events (repeat, prefill"
+        " workers first, in --attach-* order; `eldr worker-args ROLE --kv-events`), for KV-aware"
+        " routing (--policy eldr-kv). A tcp://HOST:PORT endpoint replays on PORT+1.",
+        show_default=False)] = None,
     proxy_workers: Annotated[int, typer.Option(
         help="Proxy processes on --port (the kernel spreads connections over them): one relays"
         " about one core's worth of requests and tokens. Admin changes reach all of them and"
@@ -145,7 +153,7 @@ def serve(
         policy_config=policy_config(policy_options), artifact=artifact, store=store, host=host,
         port=port, worker_port=worker_port, nixl_port=nixl_port,
         attach_prefill=tuple(attach_prefill or ()), attach_decode=tuple(attach_decode or ()),
-        attach_batch=tuple(attach_batch or ()),
+        attach_batch=tuple(attach_batch or ()), attach_kv_events=tuple(attach_kv_events or ()),
         proxy_workers=proxy_workers, peers=tuple(peer or ()),
         online_refit=online_refit, worker_cores=worker_cores, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, max_queued=max_queued, enforce_eager=enforce_eager,

@@ -17,6 +17,11 @@ def worker_args(
         " tcp://10.0.0.5:5600, a private address: every request id and signature goes out on"
         " it), for several proxies in front of the worker (eldr serve --attach-batch).",
         show_default=False)] = None,
+    kv_events: Annotated[str | None, typer.Option(
+        help="Publish vLLM's KV events on this ZMQ endpoint (tcp://*:PORT binds every"
+        " interface and replays on PORT+1; ipc://PATH replays on PATH.replay), for KV-aware"
+        " routing (eldr serve --attach-kv-events, with the address the proxy reaches).",
+        show_default=False)] = None,
 ) -> None:
     """Print the `vllm serve` flags that make a worker record signatures for eldr (use with
     `eldr serve --attach-prefill/--attach-decode`). vLLM's default compiled mode is fine."""
@@ -30,4 +35,10 @@ def worker_args(
                         " tcp://*:5600")
     config = json.dumps(kv_transfer_config(role, publish_batch=publish_batch),
                         separators=(",", ":"))
-    typer.echo(f"--kv-transfer-config {shlex.quote(config)}")
+    line = f"--kv-transfer-config {shlex.quote(config)}"
+    if kv_events is not None:
+        from stages.routing.kv.endpoints import kv_events_config
+
+        events = json.dumps(kv_events_config(kv_events), separators=(",", ":"))
+        line += f" --kv-events-config {shlex.quote(events)}"
+    typer.echo(line)

@@ -22,6 +22,7 @@ from stages.capture.nixl_progress import ENV as NIXL_PROGRESS_ENV
 from stages.errors import EldrError
 from stages.procs import keeper
 from stages.procs.health import healthy
+from stages.routing.kv.endpoints import kv_events_config
 
 SIGNATURE_CONNECTOR = "EldrSignatureConnector"
 
@@ -59,6 +60,9 @@ class ServerSpec:
     # A decode worker's port for publishing its running batch to the proxies (loopback).
     batch_port: int | None = None
     enable_prefix_caching: bool = True
+    # Where the worker publishes vLLM's KV events (stages.routing.kv.endpoints), so routers
+    # know which prompt blocks it holds; None: it publishes none.
+    kv_events: str | None = None
     eldr_plugin: bool = True
     count_decode: bool = False
     # False only for a routing-identical prefill variant that eldr has checked itself
@@ -155,6 +159,8 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--enable-prefix-caching"]
     else:
         argv += ["--no-enable-prefix-caching"]
+    if spec.kv_events is not None:
+        argv += ["--kv-events-config", json.dumps(kv_events_config(spec.kv_events))]
     if spec.eldr_plugin:
         config = kv_transfer_config(spec.role, spec.count_decode, spec.nixl_compat_check,
                                     spec.batch_endpoint)

@@ -85,7 +85,7 @@ def test_fit_without_dataset_says_to_capture(tmp_path: Path) -> None:
 
 
 def test_serve_eldr_without_artifact_says_how_to_make_one(tmp_path: Path) -> None:
-    result = run_eldr("serve", "--model", "tiny", home=tmp_path)
+    result = run_eldr("serve", "--model", "tiny", "--policy", "eldr", home=tmp_path)
     assert result.returncode == 2
     assert "eldr fit --k 2" in result.stderr
 
@@ -289,6 +289,9 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
             self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
             self.decode_batch_endpoints = ["tcp://127.0.0.1:3"]
 
+        def kv_event_endpoints(self, role: str) -> list[str | None]:
+            return [None]
+
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             raise EldrError("stopped before starting vLLM")
 
@@ -346,6 +349,9 @@ def test_serve_on_an_open_address_without_a_key_is_refused_unless_insecure(
             self.specs: list[object] = []
             self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
             self.decode_batch_endpoints = ["tcp://127.0.0.1:3"]
+
+        def kv_event_endpoints(self, role: str) -> list[str | None]:
+            return [None]
 
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             raise EldrError("stopped before starting vLLM")
@@ -488,6 +494,9 @@ def test_serve_self_checks_started_workers_for_eldr_union(
             self.servers: list[object] = []
             self.prefill_urls, self.decode_urls = serving.urls[:1], serving.urls[1:]
             self.decode_batch_endpoints = [None] * len(self.decode_urls)
+
+        def kv_event_endpoints(self, role: str) -> list[str | None]:
+            return [None] * len(self.prefill_urls if role == "prefill" else self.decode_urls)
 
         def start(self, on_ready=None) -> None:  # type: ignore[no-untyped-def]
             pass

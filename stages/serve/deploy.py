@@ -18,7 +18,7 @@ from stages.models import ResolvedModel
 from stages.routing.policies import needs_centroids
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.cluster import launcher
-from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.config import KVConfig, ProxyConfig
 from stages.serve.proxy.recording import RecordConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -32,7 +32,7 @@ class ServeOptions:
     prefill_model: str | None = None
     prefill: int = 1
     decode: int = 2
-    policy: str = "eldr"
+    policy: str = "eldr-kv"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     artifact: str = "latest"
     store: Path | None = None  # default: $ELDR_HOME/artifacts
@@ -43,6 +43,8 @@ class ServeOptions:
     attach_prefill: tuple[str, ...] = ()
     attach_decode: tuple[str, ...] = ()
     attach_batch: tuple[str, ...] = ()  # each attached decode worker's batch endpoint
+    # each attached worker's KV event endpoint, prefill workers first
+    attach_kv_events: tuple[str, ...] = ()
     proxy_workers: int = 1  # proxy processes on --port
     peers: tuple[str, ...] = ()  # --peer: other proxies in front of the same workers
     online_refit: bool = False
@@ -106,6 +108,16 @@ class ServeOptions:
         if self.record is not None and self.proxy_workers > 1:
             raise EldrError("--record writes one dataset from one process: drop --proxy-workers,"
                             " or record with one proxy beside the others (--attach-*)")
+        if self.attach_kv_events:
+            from stages.routing.kv.endpoints import replay_endpoint
+
+            workers = len(self.attach_prefill) + len(self.attach_decode)
+            if len(self.attach_kv_events) != workers:
+                raise EldrError(f"--attach-kv-events names {len(self.attach_kv_events)}"
+                                f" endpoints for {workers} attached workers: one each, prefill"
+                                " workers first, in --attach-* order")
+            for endpoint in self.attach_kv_events:
+                replay_endpoint(endpoint)  # a user error if it is not one
         if not self.attach:
             return
         if self.record is not None and not self.attach_batch:
@@ -192,10 +204,26 @@ def plan(options: ServeOptions) -> ServePlan:
         self_check=None if o.skip_self_check else model.identity,
         checked_at_start=not o.skip_self_check, skip_self_check=o.skip_self_check,
         host=o.host, peers=o.peers, decode_batch_endpoints=batch_endpoints,
-        record=o.record,
+        record=o.record, kv=_kv_config(o, model, cluster),
     )
     check_free("--port", [o.port], o.host)
     return ServePlan(o, model, prefill_model, cluster, config, warning)
+
+
+def _kv_config(o: ServeOptions, model: ResolvedModel,
+               cluster: launcher.Cluster | None) -> KVConfig | None:
+    """KV-aware routing's settings: the workers' KV event endpoints (the started workers'
+    own, or --attach-kv-events), and their model's tokenizer."""
+    if cluster is not None:
+        prefill, decode = cluster.kv_event_endpoints("prefill"), cluster.kv_event_endpoints(
+            "decode")
+    elif o.attach_kv_events:
+        split = len(o.attach_prefill)
+        prefill, decode = list(o.attach_kv_events[:split]), list(o.attach_kv_events[split:])
+    else:
+        return None
+    return KVConfig(tokenizer=model.source, prefill_events=tuple(prefill),
+                    decode_events=tuple(decode))
 
 
 def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel | None,

@@ -56,6 +56,8 @@ class DecodePolicy(ABC):
     # Routes by fitted centroids: serving and the simulator must load an artifact first, and
     # ``set_centroids`` receives every new one (a refit, a switched artifact).
     needs_centroids: ClassVar[bool] = False
+    # Reads ``prompt_tokens`` / ``cached_tokens`` and routes prefill too (``choose_prefill``).
+    reads_kv: ClassVar[bool] = False
     # The policy's user options: a frozen dataclass whose every field has a default.
     Params: ClassVar[type[Any]] = NoParams
 

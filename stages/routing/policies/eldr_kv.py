@@ -50,6 +50,7 @@ class KVParams(UnionParams):
 
 class EldrKvPolicy(EldrUnionPolicy):
     name: ClassVar[str] = "eldr-kv"
+    reads_kv: ClassVar[bool] = True
     Params: ClassVar[type[KVParams]] = KVParams
     params: KVParams
 

@@ -8,6 +8,8 @@ cores round-robin (oversubscribing a core with two OpenMP teams is far slower th
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,9 +151,11 @@ def side_channel_ports(spec: ClusterSpec) -> list[int]:
 
 
 def worker_specs(spec: ClusterSpec, nixl_ports: list[int],
-                 batch_ports: list[int] | None = None) -> list[ServerSpec]:
+                 batch_ports: list[int] | None = None,
+                 kv_events: list[str] | None = None) -> list[ServerSpec]:
     """The workers' specs, prefill workers first; ``nixl_ports`` has one port per worker,
-    ``batch_ports`` one per decode worker (None: they publish no batch)."""
+    ``batch_ports`` one per decode worker (None: they publish no batch), ``kv_events`` one
+    KV event endpoint per worker (None: they publish no KV events)."""
     roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
     allowed = sorted(os.sched_getaffinity(0)) if on_cpu() else []
     if spec.worker_cores is not None:
@@ -178,6 +182,7 @@ def worker_specs(spec: ClusterSpec, nixl_ports: list[int],
             cpu_cores=binding[i],
             nixl_side_channel_port=nixl_ports[i],
             batch_port=batch_ports[i - spec.prefill] if batch_ports and role == "decode" else None,
+            kv_events=kv_events[i] if kv_events else None,
             nixl_compat_check=not mixed,
             enforce_eager=spec.enforce_eager,
             tensor_parallel_size=spec.tp(role),
@@ -226,7 +231,11 @@ class Cluster:
         check_free("--worker-port", worker_ports(spec))
         nixl = side_channel_ports(spec)
         batch = free_ports(spec.decode, avoid=[*worker_ports(spec), *nixl])
-        self.specs = worker_specs(spec, nixl, batch)
+        # KV events on ipc sockets: bound, yet reachable from this host only (vLLM binds a tcp
+        # endpoint only as a wildcard, on every interface).
+        self._kv_dir = Path(tempfile.mkdtemp(prefix="eldr-kv-"))
+        kv = [f"ipc://{self._kv_dir}/{i}" for i in range(spec.prefill + spec.decode)]
+        self.specs = worker_specs(spec, nixl, batch, kv)
         self.servers: list[VllmServer] = []  # in spec order, once all are ready
         self._starting: dict[int, VllmServer] = {}  # spec index -> started, while starting
 
@@ -273,6 +282,9 @@ class Cluster:
     def decode_urls(self) -> list[str]:
         return [s.url for s in self.specs if s.role == "decode"]
 
+    def kv_event_endpoints(self, role: str) -> list[str | None]:
+        return [s.kv_events for s in self.specs if s.role == role]
+
     @property
     def decode_batch_endpoints(self) -> list[str | None]:
         return [s.batch_endpoint for s in self.specs if s.role == "decode"]
@@ -284,6 +296,7 @@ class Cluster:
             server.terminate()
         for server in servers:
             server.stop()
+        shutil.rmtree(self._kv_dir, ignore_errors=True)  # the workers' sockets, now closed
 
     def __enter__(self) -> Cluster:
         return self

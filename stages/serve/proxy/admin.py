@@ -113,6 +113,9 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         "self_check": _self_check_mode(state),
         # `eldr serve --record`: rows appended, waiting for their decode, dropped and why.
         "recording": state.recorder.summary() if state.recorder is not None else None,
+        # KV-aware routing: what each worker's KV events told this proxy, and whether it trusts
+        # them (None: the workers publish no KV events to it).
+        "kv": state.kv.state() if state.kv is not None else None,
         "decode_workers": [
             {
                 "index": w.index,

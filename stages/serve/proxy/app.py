@@ -33,6 +33,7 @@ from stages.serve.proxy.auth import auth_middleware
 from stages.serve.proxy.completions import chat_completions, completions
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.health import health_loop
+from stages.serve.proxy.kv_events import follow_kv_events
 from stages.serve.proxy.metrics import RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, balanced_fit
 from stages.serve.proxy.published_batches import follow_batches
@@ -81,6 +82,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             loops.append(("eldr-batches", follow_batches(
                 c.decode_batch_endpoints, state.decode.published, c.batch_stale_after_s,
                 recorder.finished if recorder is not None else None)))
+        if state.kv is not None:
+            for role, view in (("prefill", state.kv.prefill), ("decode", state.kv.decode)):
+                loops.append((f"eldr-kv-{role}", follow_kv_events(state.kv.sources(role), view)))
         tasks = [asyncio.create_task(coro, name=name) for name, coro in loops]
         for task in tasks:
             task.add_done_callback(_report_crash)

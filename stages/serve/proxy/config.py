@@ -17,6 +17,31 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class KVConfig:
+    """KV-cache-aware routing: where each worker publishes vLLM's KV events, and how to
+    turn a request into the block hashes the workers compute (stages.routing.kv)."""
+
+    tokenizer: str  # the workers' --model (a directory or hub id): tokenizer, chat template
+    prefill_events: tuple[str | None, ...]  # one endpoint per prefill worker (None: none)
+    decode_events: tuple[str | None, ...]
+    hash_algo: str = "sha256"  # the workers' --prefix-caching-hash-algo
+    # A worker that owes events this long (a request sent that stores blocks, none came) is
+    # routed on load alone until it publishes again.
+    silent_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        from stages.routing.kv.block_hashes import HASH_ALGOS
+
+        object.__setattr__(self, "prefill_events", tuple(self.prefill_events))
+        object.__setattr__(self, "decode_events", tuple(self.decode_events))
+        if self.hash_algo not in HASH_ALGOS:
+            raise EldrError(f"unknown hash algorithm {self.hash_algo!r}; vLLM's are"
+                            f" {', '.join(HASH_ALGOS)}")
+        if not self.silent_after_s > 0:
+            raise EldrError(f"silent_after_s must be > 0, got {self.silent_after_s}")
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
@@ -86,6 +111,8 @@ class ProxyConfig:
     # Append the requests routed to a signature dataset (`eldr serve --record`); needs every
     # decode worker's batch endpoint (the workers measure and publish each request's decode).
     record: RecordConfig | None = None
+    # KV-cache-aware routing (policy eldr-kv); None: no KV events are followed.
+    kv: KVConfig | None = None
     # Bearer keys as vLLM's --api-key: clients must send `api_key` on /v1/* and
     # `admin_api_key` on /admin/* (refused, with api_key and no admin_api_key). `worker_api_key`
     # is what the proxy sends to its workers; a client's own key is never passed on. Kept out
@@ -119,6 +146,9 @@ class ProxyConfig:
                             " measure each request's decode and publish it there")
         if self.artifact_store is not None:
             object.__setattr__(self, "artifact_store", Path(self.artifact_store))
+        if self.kv is not None and (len(self.kv.prefill_events) != len(self.prefill_urls)
+                                    or len(self.kv.decode_events) != len(self.decode_urls)):
+            raise EldrError("KV event endpoints: one per worker, prefill and decode")
         if not self.prefill_urls:
             raise EldrError("the proxy needs at least one prefill worker url")
         if not self.decode_urls:

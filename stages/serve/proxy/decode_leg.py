@@ -23,7 +23,7 @@ from time import perf_counter
 from typing import Any
 
 from stages.serve.proxy.answer import Answer, Stream, Whole
-from stages.serve.proxy.decode_router import Features
+from stages.serve.proxy.decode_router import NO_KV, Features, KVInputs
 from stages.serve.proxy.http1 import Response
 from stages.serve.proxy.prefill_leg import run_prefill
 from stages.serve.proxy.request_context import RequestContext
@@ -56,6 +56,17 @@ def hand_off(ctx: RequestContext, kv: dict[str, Any] | None) -> Handoff:
     return Handoff(kv, features, feature_seconds)
 
 
+def kv_inputs(ctx: RequestContext) -> KVInputs:
+    """What the decode workers hold of the prompt, for KV-aware policies."""
+    prompt, kv = ctx.prompt, ctx.state.kv
+    if prompt is None or kv is None:
+        return NO_KV
+    body = ctx.legs.body
+    wanted = body.get("max_tokens", body.get("max_completion_tokens"))
+    return KVInputs(prompt.tokens, kv.decode.cached_tokens(prompt.reusable),
+                    wanted if isinstance(wanted, int) and wanted > 0 else 0)
+
+
 @dataclass(frozen=True)
 class Failure:
     reason: str
@@ -83,7 +94,12 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
             if not eligible.any():
                 break
             t0 = perf_counter()
-            worker, on_complete = router.choose(handoff.features, pool.loads(), eligible)
+            kv = kv_inputs(ctx)
+            worker, on_complete = router.choose(handoff.features, pool.loads(), eligible, kv)
+            if kv.cached_tokens is not None and state.kv is not None and ctx.prompt is not None:
+                state.kv.decode.sent(worker, ctx.prompt.hashes)  # it pulls and stores what it lacks
+                metrics.kv_prompt_tokens.labels("decode").inc(kv.prompt_tokens)
+                metrics.kv_cached_tokens.labels("decode").inc(int(kv.cached_tokens[worker]))
             # The first decision also paid for the signature transform; retries reuse it.
             metrics.decision_seconds.observe(
                 perf_counter() - t0 + (handoff.feature_seconds if not attempt else 0)

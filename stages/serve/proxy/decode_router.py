@@ -44,6 +44,17 @@ class Features(NamedTuple):  # a tuple: one per request, built in half a datacla
 NO_FEATURES = Features(None, missing=False)
 
 
+class KVInputs(NamedTuple):
+    """What KV-aware policies read of a request (``RoutingRequest``'s fields of that name)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: np.ndarray | None = None
+    output_tokens: int = 0
+
+
+NO_KV = KVInputs()
+
+
 class Decision(NamedTuple):
     """A chosen worker and what to call (with the worker index) once its request ended: the
     policy then drops exactly this request's part (``WorkerPool.acquire``'s release hook)."""
@@ -194,10 +205,13 @@ class DecodeRouter:
             self.refitter.observe(vector, time.monotonic())
         return Features(vector, missing=False, counts=inputs.counts if policy.uses_counts else None)
 
-    def choose(self, features: Features, loads: np.ndarray, eligible: np.ndarray) -> Decision:
+    def choose(self, features: Features, loads: np.ndarray, eligible: np.ndarray,
+               kv: KVInputs = NO_KV) -> Decision:
         """Pick a worker; the caller dispatches right away, so the policy hears of it now."""
         request = RoutingRequest(
-            loads=loads, eligible=eligible, features=features.vector, counts=features.counts
+            loads=loads, eligible=eligible, features=features.vector, counts=features.counts,
+            prompt_tokens=kv.prompt_tokens, cached_tokens=kv.cached_tokens,
+            output_tokens=kv.output_tokens,
         )
         policy = self.policy
         worker = policy.choose(request)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import orjson
 
+from stages.routing.policies import PrefillRequest
 from stages.serve.proxy.request_context import RequestContext
 from stages.serve.proxy.responses import ProxyError, UpstreamClientError
 from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
@@ -29,7 +31,7 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
             break
         if attempt:
             metrics.retries.labels("prefill").inc()
-        worker = state.prefill_router.choose(legs.key, pool.loads(), eligible)
+        worker, queued = choose_prefill(ctx, eligible)
         url = pool.urls[worker]
         lease = pool.acquire(worker)
         ctx.admission.settle()
@@ -50,6 +52,8 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
             failure = f"request failed: {exc!r}"
         finally:
             lease.release()
+            if state.kv is not None:
+                state.kv.prefill_queued[worker] -= queued
         if failure is None and status >= 500:
             failure = f"answered {status}: {content[:500].decode(errors='replace')}"
         if failure is not None:  # nothing reached the client yet: the next worker is tried
@@ -72,3 +76,25 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
         raise ProxyError(503, "no healthy prefill worker", "no_prefill_worker")
     raise ProxyError(502, "prefill failed on every worker tried: " + "; ".join(failures),
                      "prefill_failed")
+
+
+def choose_prefill(ctx: RequestContext, eligible: np.ndarray) -> tuple[int, int]:
+    """The prefill worker, and the prompt tokens it is counted to compute (queued on it until
+    it answers): the policy's KV-aware choice where it makes one and the prompt's blocks are
+    known, else the prefix hash with its bounded-load gate."""
+    state, prompt = ctx.state, ctx.prompt
+    pool, kv = state.prefill, state.kv
+    if prompt is not None and kv is not None:
+        cached = kv.prefill.cached_tokens(prompt.reusable)
+        request = PrefillRequest(loads=pool.loads(), eligible=eligible,
+                                 prompt_tokens=prompt.tokens, cached_tokens=cached,
+                                 queued_tokens=kv.prefill_queued)
+        worker = state.router.policy.choose_prefill(request)
+        if worker is not None:
+            lacking = max(prompt.tokens - int(cached[worker]), 0)
+            kv.prefill_queued[worker] += lacking
+            state.metrics.kv_prompt_tokens.labels("prefill").inc(prompt.tokens)
+            state.metrics.kv_cached_tokens.labels("prefill").inc(prompt.tokens - lacking)
+            kv.prefill.sent(worker, prompt.hashes)
+            return worker, lacking
+    return state.prefill_router.choose(ctx.legs.key, pool.loads(), eligible), 0

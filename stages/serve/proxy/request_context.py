@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 
 from stages.serve.proxy.admission import Admission
+from stages.serve.proxy.kv_routing import Prompt
 from stages.serve.proxy.payloads import Legs, plan_legs
 from stages.serve.proxy.state import ProxyState
 
@@ -40,6 +41,8 @@ class RequestContext:
     arrived: float  # time.monotonic() when the client request came in
     # Settled once the first leg leases a worker, from then on the lease counts the request.
     admission: Admission
+    # The prompt as the workers' KV block hashes (KV-aware routing); None: not known.
+    prompt: Prompt | None = None
 
     @property
     def stream(self) -> bool:
@@ -94,4 +97,5 @@ def request_context(
         reply_headers=MappingProxyType({"X-Request-Id": client_request_id or request_id}),
         arrived=time.monotonic(),
         admission=admission,
+        prompt=state.kv.prompt(body, chat) if state.kv is not None and state.kv_active else None,
     )

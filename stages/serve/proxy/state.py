@@ -13,6 +13,7 @@ from stages.serve.proxy.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.decode_router import DecodeRouter
 from stages.serve.proxy.http1 import Http1Client, Timeouts
+from stages.serve.proxy.kv_routing import KVRouting
 from stages.serve.proxy.metrics import ProxyMetrics, RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.proxy.prefill_router import PrefillRouter
@@ -38,6 +39,7 @@ class ProxyState:
     # Self-checks of workers (re)joining rotation; None when the proxy does not know the model.
     checks: SelfChecks | None = None
     recorder: TrafficRecorder | None = None  # `eldr serve --record`
+    kv: KVRouting | None = None  # the workers' KV caches, when they publish KV events
     # Built once from the config: the per-request path only passes them along. The legs'
     # limits are for ``leg_client``; the others for ``session``.
     prefill_limits: Timeouts = field(init=False, repr=False)
@@ -51,6 +53,11 @@ class ProxyState:
     draining: bool = False
     # Requests let in that hold no worker lease yet (admission.Admission).
     admitting: int = 0
+
+    @property
+    def kv_active(self) -> bool:
+        """Whether the active policy routes by KV (tokenizing a prompt costs otherwise)."""
+        return self.kv is not None and self.router.policy.reads_kv
 
     def in_flight(self) -> int:
         """This proxy's requests on a worker now, prefilling or decoding."""
@@ -146,15 +153,17 @@ def build_state(
     )
     if published is not None:
         published.listener = router  # the others' requests weighed by their experts too
+    kv = KVRouting(config.kv) if config.kv is not None else None
     return ProxyState(
         config=config,
         prefill=prefill,
         decode=decode,
         prefill_router=PrefillRouter(config.prefill_urls),
         router=router,
-        metrics=ProxyMetrics(decode, prefill, restarts, checks),
+        metrics=ProxyMetrics(decode, prefill, restarts, checks, kv),
         artifact_loader=artifact_loader,
         restarts=restarts,
         checks=checks,
         recorder=recorder,
+        kv=kv,
     )

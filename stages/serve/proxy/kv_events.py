@@ -1,0 +1,234 @@
+"""Each worker's KV cache, as its own vLLM KV events tell, and the task that follows them.
+
+vLLM's ``ZmqEventPublisher`` sends ``(topic, seq, msgpack batch)`` on a PUB socket and keeps its
+last batches for replay on a ROUTER socket. Every proxy process subscribes to every worker
+itself (no state passes between proxies): it asks for the buffered history when it starts, and
+again from the first missing number whenever the sequence jumps. A gap the replay cannot fill
+(the buffer moved on), or a publisher that restarted (its numbers start over, its cache is
+empty), clears that worker's blocks: knowing less only costs a hit, a block the worker no
+longer holds would send requests where their KV is not.
+
+Trust is judged when the view is read. A worker is untrusted (its index counts as holding
+nothing, so it is routed on load alone; ``/metrics`` and ``/admin/state`` say so) while a
+request that should have made it store blocks was sent there more than ``silent_after_s`` ago
+and no valid message came since, or while what it sends cannot be decoded. An idle worker
+publishes nothing and stays trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from stages.routing.kv.block_hashes import external_hash
+from stages.routing.kv.block_index import BlockIndex
+from stages.routing.kv.endpoints import replay_endpoint
+
+log = logging.getLogger(__name__)
+
+END_SEQ = -1  # the replay socket's end-of-replay marker
+DEFAULT_SILENT_AFTER_S = 5.0
+# vLLM's replay buffer holds 10,000 batches and a subscription queues 1,000: a batch numbered
+# further back than that is a restarted publisher's, not a late duplicate.
+RESTART_DISTANCE = 20_000
+
+
+@dataclass(frozen=True)
+class KVEventSource:
+    """Where one worker publishes: its PUB endpoint and its replay (ROUTER) endpoint."""
+
+    endpoint: str
+    replay: str | None
+
+    @classmethod
+    def parse(cls, endpoint: str) -> KVEventSource:
+        """A worker's ``--kv-events-config`` endpoint; its replay endpoint follows eldr's
+        convention (``replay_endpoint``)."""
+        replay = replay_endpoint(endpoint)
+        return cls(endpoint.replace("*", "127.0.0.1", 1), replay.replace("*", "127.0.0.1", 1))
+
+
+class KVView:
+    """The KV blocks each worker of one pool holds (HTTP-free; the follower feeds it)."""
+
+    def __init__(self, num_workers: int, silent_after_s: float = DEFAULT_SILENT_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = BlockIndex(num_workers)
+        self.block_size: int | None = None  # learned from the first stored block
+        self.silent_after_s = silent_after_s
+        self._clock = clock
+        self.last_seq: list[int | None] = [None] * num_workers
+        # Since when a worker owes a valid message (a request sent that stores blocks, or an
+        # undecodable message); None: it owes none.
+        self._owed_since: list[float | None] = [None] * num_workers
+        self.events = np.zeros(num_workers, dtype=np.int64)
+        self.gaps = np.zeros(num_workers, dtype=np.int64)  # sequence jumps seen
+        self.lost = np.zeros(num_workers, dtype=np.int64)  # of them, not repaired by a replay
+        self.undecodable = np.zeros(num_workers, dtype=np.int64)
+
+    @property
+    def num_workers(self) -> int:
+        return self.index.num_workers
+
+    # --- reading ---
+
+    def trusted(self) -> np.ndarray:
+        now = self._clock()
+        return np.array([owed is None or now - owed < self.silent_after_s
+                         for owed in self._owed_since])
+
+    def cached_tokens(self, hashes: Sequence[int]) -> np.ndarray:
+        """int64 [W]: prompt tokens each worker holds as a cached prefix (0 where untrusted)."""
+        if self.block_size is None or not hashes:
+            return np.zeros(self.num_workers, dtype=np.int64)
+        blocks = self.index.leading_blocks(hashes)
+        blocks[~self.trusted()] = 0
+        return blocks * self.block_size
+
+    # --- what the proxy did ---
+
+    def sent(self, worker: int, hashes: Sequence[int]) -> None:
+        """A prompt whose full blocks are ``hashes`` was sent to ``worker``: if it lacks any,
+        it will store them, and owes their events."""
+        if len(hashes) > self.index.leading_blocks(hashes)[worker] and (
+                self._owed_since[worker] is None):
+            self._owed_since[worker] = self._clock()
+
+    # --- what the worker published ---
+
+    def apply(self, worker: int, seq: int, payload: bytes) -> None:
+        """One ``(seq, payload)`` from ``worker``'s stream or its replay."""
+        last = self.last_seq[worker]
+        if last is not None and seq <= last:
+            # Numbers started over (a new engine, an empty cache): a duplicate is never older
+            # than what the replay buffer and the subscription's queue hold together.
+            if seq != 0 and seq > last - RESTART_DISTANCE:
+                return  # a batch already applied (the replay and the stream overlap)
+            log.info("KV events of worker %d restarted at %d (was %d)", worker, seq, last)
+            self.index.cleared(worker)
+        try:
+            batch = msgspec.msgpack.decode(payload)
+            events = batch[1]
+            for event in events:
+                self._event(worker, event)
+        except (msgspec.DecodeError, TypeError, KeyError, IndexError, ValueError) as exc:
+            self.malformed(worker, repr(exc))
+            return
+        self.last_seq[worker] = seq
+        self.events[worker] += 1
+        self._owed_since[worker] = None
+
+    def malformed(self, worker: int, why: str) -> None:
+        self.undecodable[worker] += 1
+        if self._owed_since[worker] is None:
+            self._owed_since[worker] = self._clock()
+        log.warning("worker %d sent an undecodable KV event message: %s", worker, why)
+
+    def gap(self, worker: int, repaired: bool) -> None:
+        self.gaps[worker] += 1
+        if not repaired:
+            self.lost[worker] += 1
+            self.index.cleared(worker)
+
+    def _event(self, worker: int, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        if kind == "BlockStored":
+            if event.get("group_idx") not in (None, 0):
+                return  # another KV cache group (a hybrid model's): prefix hits follow group 0
+            self.block_size = int(event["block_size"])
+            self.index.stored(worker, [external_hash(h) for h in event["block_hashes"]])
+        elif kind == "BlockRemoved":
+            if event.get("group_idx") not in (None, 0):
+                return
+            self.index.removed(worker, [external_hash(h) for h in event["block_hashes"]])
+        elif kind == "AllBlocksCleared":
+            self.index.cleared(worker)
+        else:
+            raise ValueError(f"unknown KV event {kind!r}")
+
+    def state(self) -> list[dict[str, Any]]:
+        trusted = self.trusted()
+        return [
+            {"trusted": bool(trusted[w]), "blocks": self.index.held(w),
+             "events": int(self.events[w]), "gaps": int(self.gaps[w]),
+             "lost": int(self.lost[w]), "undecodable": int(self.undecodable[w])}
+            for w in range(self.num_workers)
+        ]
+
+
+async def follow_kv_events(sources: Sequence[KVEventSource | None], view: KVView) -> None:
+    """Follow every worker's KV events into ``view`` until cancelled."""
+    context = zmq.asyncio.Context.instance()
+    tasks = [asyncio.create_task(_follow(context, w, s, view), name=f"eldr-kv-{w}")
+             for w, s in enumerate(sources) if s is not None]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+async def _follow(context: zmq.asyncio.Context, worker: int, source: KVEventSource,
+                  view: KVView) -> None:
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(source.endpoint)
+    try:
+        # What the worker stored before this proxy listened, as far as its buffer reaches.
+        await _replay(context, worker, source, view, 0)
+        while True:
+            frames = await sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                view.malformed(worker, f"{len(frames)} frames")
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            last = view.last_seq[worker]
+            if last is not None and seq > last + 1:
+                repaired = await _replay(context, worker, source, view, last + 1)
+                view.gap(worker, repaired)
+            view.apply(worker, seq, frames[2])
+    finally:
+        sub.close(linger=0)
+
+
+async def _replay(context: zmq.asyncio.Context, worker: int, source: KVEventSource,
+                  view: KVView, start: int) -> bool:
+    """Ask ``source`` for every batch from ``start``; whether the replay began there."""
+    if source.replay is None:
+        return False
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(source.replay)
+    first: int | None = None
+    try:
+        await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        while True:
+            if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                log.warning("worker %d: no KV event replay from %s", worker, source.replay)
+                return False
+            frames = await dealer.recv_multipart()
+            if len(frames) != 4 or len(frames[2]) != 8:
+                view.malformed(worker, "replay frames")
+                return False
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == END_SEQ:
+                break
+            first = seq if first is None else first
+            view.apply(worker, seq, frames[3])
+    finally:
+        dealer.close(linger=0)
+    return first == start or (first is None and start == 0)
