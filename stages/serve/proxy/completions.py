@@ -69,8 +69,8 @@ async def _handle(request: Request, chat: bool) -> Response:
         answer = await unless_client_leaves(request.receive, work)
         if answer is None:
             metrics.request_errors.labels("client_disconnect").inc()
-            log.info("request %s (client id %s): client left before the answer was ready",
-                 request_id, client_id)
+            log.info("request %s: client left before the answer was ready",
+                 _named(request_id, client_id))
             return Response(status_code=499, headers=reply_headers)
         return to_response(answer, reply_headers)
     except PoolExhausted as exc:
@@ -78,14 +78,14 @@ async def _handle(request: Request, chat: bool) -> Response:
         metrics.connection_pool_exhausted.inc()
         shed = ConnectionsExhausted(str(exc))
         metrics.request_errors.labels(shed.kind).inc()
-        log.warning("request %s: %s", request_id, exc)
+        log.warning("request %s: %s", _named(request_id, client_id), exc)
         return shed.response({**reply_headers, "Retry-After": str(RETRY_AFTER_S)})
     except Shed as exc:
         metrics.request_errors.labels(exc.kind).inc()
         return exc.response({**reply_headers, "Retry-After": str(RETRY_AFTER_S)})
     except ProxyError as exc:
         metrics.request_errors.labels(exc.kind).inc()
-        log.warning("request %s (client id %s): %s", request_id, client_id, exc.message)
+        log.warning("request %s: %s", _named(request_id, client_id), exc.message)
         return exc.response(reply_headers)
     except UpstreamClientError as exc:
         metrics.request_errors.labels("upstream_rejected").inc()
@@ -111,6 +111,8 @@ def _plan(
         ctx = request_context(
             request, request_id, read.body, chat, read.lax, admission, client_id
         )
+        if client_id == request_id:  # the client sent no id: the answer is relayed as it is
+            return lambda: serve_one(ctx)
         return lambda: _for_client(serve_one(ctx), request_id, client_id)
     # Each sequence leases a worker of its own: all are let in, or none.
     seats = admission.reserve(len(parts))
@@ -125,3 +127,8 @@ def _plan(
 
 async def _for_client(answer: Awaitable[Answer], request_id: str, client_id: str) -> Answer:
     return for_client(await answer, request_id, client_id)
+
+
+def _named(request_id: str, client_id: str) -> str:
+    """A request as a log line names it: eldr's id, and the client's where it sent one."""
+    return request_id if client_id == request_id else f"{request_id} (client id {client_id!r})"
