@@ -57,8 +57,9 @@ def bench(
         " 'sharegpt FILE'. Every router in every round gets fresh conversations.",
         show_default=False)] = None,
     turns: Annotated[int, typer.Option(help="--workload: turns per conversation.", min=1)] = 3,
-    conversations: Annotated[int, typer.Option(
-        help="--workload: conversations per router per round.", min=1)] = 12,
+    conversations: Annotated[int | None, typer.Option(
+        help="--workload: conversations per router per round (default 12); --simulate: in all"
+        " (default 600).", min=1, show_default=False)] = None,
     system_prompts: Annotated[int, typer.Option(
         help="--workload conversations: distinct shared system prompts.", min=1)] = 1,
     system_tokens: Annotated[int, typer.Option(
@@ -187,8 +188,8 @@ def bench(
     if workload is not None:
         from stages.bench.workloads.conversations import ConversationSpec
 
-        spec = ConversationSpec(conversations, turns, system_prompts, system_tokens,
-                                message_tokens, think_time)
+        spec = ConversationSpec(conversations or (600 if simulate else 12), turns,
+                                system_prompts, system_tokens, message_tokens, think_time)
         choice = _workload_choice(workload, workload_file, spec, prompts_path)
         if simulate:
             _conversation_sim(choice, policies, request_rate, prefill, decode, cost, data, store,

@@ -195,6 +195,7 @@ def test_the_cli_simulates_the_conversation_workload(monkeypatch: pytest.MonkeyP
     assert options.policies[0] == "eldr-kv" and (options.prefill, options.decode) == (2, 4)
     w = options.workload
     assert (w.conversation_rate, w.turns, w.think_time_s, w.output_tokens) == (3.0, 4, 2.0, 100)
+    assert w.conversations == 600  # a cluster's worth, not the live bench's 12
     assert options.cache_blocks == 1000 and options.cost == "gpu"
     bad = runner.invoke(app, ["bench", "--simulate", "--workload", "conversations",
                               "--request-rate", "50%"])
