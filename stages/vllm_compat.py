@@ -124,7 +124,8 @@ def routed_experts_sink() -> Any | None:
 
 
 def logical_num_experts(layer: Any) -> int:
-    """The experts a MoE layer's router picks among: the columns of its signature rows.
+    """The experts a MoE layer's router picks among: the columns of its signature rows (the
+    model's experts, never EPLB's physical ones).
 
     vLLM 0.33 loads MoNE-pruned checkpoints with expert substitution: the router still picks
     logical expert ids (``preserve_logical_expert_ids``), but its ``global_num_experts`` counts
@@ -133,4 +134,7 @@ def logical_num_experts(layer: Any) -> int:
     substitution = getattr(getattr(layer, "routed_experts", None), "expert_substitution", None)
     if substitution is not None:
         return int(substitution.num_logical_experts)
-    return int(layer.router.global_num_experts)
+    # EPLB's redundant experts count in global_num_experts (physical = logical + redundant);
+    # the router hands the hook logical ids, and the model identity counts logical experts.
+    logical = getattr(getattr(layer, "moe_config", None), "num_logical_experts", None)
+    return int(logical) if logical else int(layer.router.global_num_experts)

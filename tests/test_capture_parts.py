@@ -214,3 +214,50 @@ def test_recorder_leaves_out_unmapped_and_skipped_tokens_without_filtering() -> 
     report = end(recorder, torch.tensor([8]))
     assert report is not None
     np.testing.assert_array_equal(report.signatures["b"][0], [1, 1, 0, 0])
+
+
+_EPLB_LAYER = """
+import sys
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+from stages.capture.recorder import SignatureRecorder
+from stages.capture.topk_sink import attach
+
+
+class NoWeights(torch.nn.Module):
+    # vLLM's CPU build has no MoE kernel for EPLB; the routing side is what is checked.
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{sys.argv[1]}")
+    initialize_model_parallel(1, 1)
+    layer = FusedMoEFactory(num_experts=8, top_k=2, hidden_size=16, intermediate_size=32,
+                            enable_eplb=True, num_redundant_experts=2,
+                            params_dtype=torch.float32, prefix="model.layers.0.mlp.experts",
+                            routed_experts_cls=NoWeights)
+assert attach(layer, 4)
+recorder = SignatureRecorder(num_blocks=2, block_size=4, max_tokens=4)
+recorder.bind_layers([(0, layer)], torch.device("cpu"))
+print("physical", layer.router.global_num_experts, "table", recorder.num_experts)
+"""
+
+
+def test_eplb_redundant_experts_leave_the_table_at_the_logical_experts() -> None:
+    """EPLB adds redundant (physical) experts; the router still picks logical ids, so the table
+    (and the self-check's model identity) is as wide as the model's experts. A real vLLM MoE
+    layer with 2 redundant experts, in a process of its own (it sets up vLLM's process
+    groups)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    done = subprocess.run([sys.executable, "-c", _EPLB_LAYER, str(free_port())],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-4:] == ["physical", "10", "table", "8"], done.stdout
