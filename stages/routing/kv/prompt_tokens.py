@@ -31,6 +31,9 @@ class PromptTokenizer:
             raise EldrError(f"cannot load the tokenizer of {model!r} for KV-aware routing:"
                             f" {exc}") from None
         self.model = model
+        # vLLM checks a prompt against --max-model-len itself; the tokenizer's own limit would
+        # only log a warning per long prompt here.
+        self._tok.model_max_length = 1 << 62
 
     def completion(self, body: dict[str, Any]) -> list[int] | None:
         prompt = body.get("prompt")
