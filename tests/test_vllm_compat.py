@@ -6,6 +6,8 @@ imports them."""
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -137,11 +139,21 @@ def test_a_wheel_is_read_as_an_archive(tmp_path: Path) -> None:
         return None
 
     assert failures(Checker(Sources(recording, "recorded")).run()) == []
-    wheel = tmp_path / "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl"
+    cache = tmp_path / "home" / ".cache" / "eldr" / "vllm-wheels"
+    cache.mkdir(parents=True)
+    wheel = cache / "vllm-9.9.9-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for relative in set(read):
             archive.write(root / relative, relative)
     assert failures(Checker(Sources.from_wheel(wheel)).run()) == []
+    # The script's --static mode reads the cached wheel (nothing downloaded).
+    script = Path(__file__).resolve().parents[1] / "scripts" / "vllm-compat-check.sh"
+    done = subprocess.run(["bash", str(script), "9.9.9", "--static"], capture_output=True,
+                          text=True, timeout=120, check=False,
+                          env={**os.environ, "HOME": str(tmp_path / "home")})
+    assert done.returncode == 0, done.stderr
+    summary = done.stdout.splitlines()[-1]
+    assert summary.startswith(f"{wheel.name}: ") and " 0 missing" in summary, done.stdout
     doctored = tmp_path / "doctored.whl"
     with zipfile.ZipFile(wheel) as good, zipfile.ZipFile(doctored, "w") as bad:
         for name in good.namelist():
