@@ -37,7 +37,7 @@ from tests.vllm_parity import BATCHES, MORE_CASES, answer, status_of
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
-POLICIES = ["eldr", "eldr-bl", "rr", "jsq", "random", "p2c"]
+POLICIES = ["eldr-kv", "eldr", "eldr-bl", "rr", "jsq", "random", "p2c"]
 FUZZ_EXAMPLES = 80  # per route: about a minute in all on the live workers
 
 
@@ -112,9 +112,11 @@ def test_the_card_serves_20_clusters_on_two_workers_and_benches(
     deployment: Deployment, tmp_path: Path
 ) -> None:
     """20 clusters on the default 2 decode workers: the elastic pool spreads them, 10 each;
-    `eldr bench` compares a policy with a balancer through the proxy's admin API."""
+    `eldr bench` compares a policy with a balancer through the proxy's admin API. The default
+    policy is eldr-kv, and every worker publishes its KV events to the proxy."""
     state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
-    assert state["policy"] == "eldr"
+    assert state["policy"] == "eldr-kv"
+    assert len(state["kv"]["prefill"]) == 1 and len(state["kv"]["decode"]) == 2
     assert [len(w["clusters"]) for w in state["decode_workers"]] == [10, 10]
     eldr_ok("bench", "--url", deployment.proxy_url, "--policies", "eldr,jsq", "--num-prompts",
             "8", "--rounds", "1", "--max-tokens", "8", "--request-rate", "inf",
@@ -135,6 +137,79 @@ def test_outputs_through_proxy_equal_single_server(
         assert _complete(deployment.proxy_url, prompt, stream=stream) == deployment.reference[
             prompt
         ]
+
+
+def _counters(urls: tuple[str, ...], prefix: str, label: str = "") -> float:
+    """The sum of a Prometheus counter over ``urls``' /metrics (lines with ``label``)."""
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(prefix) and label in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _proxy_cached(deployment: Deployment, leg: str) -> float:
+    return _counters((deployment.proxy_url,), "eldr_kv_cached_tokens_total", f'leg="{leg}"')
+
+
+def _reused(deployment: Deployment) -> tuple[float, float, float, float]:
+    """Prompt tokens the proxy expected the chosen prefill / decode workers to hold, and those
+    the prefill / decode workers say they took from their prefix caches."""
+    return (_proxy_cached(deployment, "prefill"), _proxy_cached(deployment, "decode"),
+            _counters(deployment.prefill_urls, "vllm:prefix_cache_hits_total"),
+            _counters(deployment.decode_urls, "vllm:prompt_tokens_by_source_total",
+                      'source="local_cache_hit"'))
+
+
+def _events_settled(deployment: Deployment) -> None:
+    """Wait until the proxy has applied every KV event batch the workers sent so far."""
+    def batches() -> float:
+        return _counters((deployment.proxy_url,), "eldr_kv_event_batches_total")
+
+    last, deadline = -1.0, time.monotonic() + 20
+    while time.monotonic() < deadline:
+        now = batches()
+        if now == last:
+            return
+        last = now
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_the_proxy_predicts_every_prefix_cache_hit_the_workers_make(
+    deployment: Deployment, chat: bool
+) -> None:
+    """The block hashes the proxy computes for a request (its tokenizer, the chat template, the
+    workers' hash) are the ones the workers' KV events carry: over a conversation whose turns
+    extend each other (prompts ending mid-block), the prompt tokens the proxy expected each
+    chosen worker to hold are exactly the ones vLLM's own counters say it reused, on the
+    prefill workers and on the decode workers (compiled mode, eldr-kv)."""
+    httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "eldr-kv"},
+               timeout=10).raise_for_status()
+    before = _reused(deployment)
+    history = f"{uuid.uuid4().hex} The committee reviewed the annual report on water quality."
+    messages = [{"role": "system", "content": "You answer briefly."}]
+    for turn in range(3):
+        history += f" Turn {turn}: list the districts whose wells were tested in spring."
+        if chat:
+            messages.append({"role": "user", "content": history})
+            body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+            route = "chat/completions"
+        else:
+            body = {"model": "tiny", "prompt": history * 3, "max_tokens": 8, "temperature": 0}
+            route = "completions"
+        response = httpx.post(f"{deployment.proxy_url}/v1/{route}", json=body, timeout=120)
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        if chat:
+            messages.append({"role": "assistant", "content": choice["message"]["content"]})
+        _events_settled(deployment)
+    after = _reused(deployment)
+    predicted_prefill, predicted_decode, prefill_hits, decode_hits = (
+        b - a for a, b in zip(before, after, strict=True))
+    assert prefill_hits > 0 and decode_hits > 0
+    assert (predicted_prefill, predicted_decode) == (prefill_hits, decode_hits)
 
 
 def test_workers_keep_vllms_hybrid_kv_cache_manager(deployment: Deployment) -> None:
@@ -302,6 +377,25 @@ def test_bench_compares_policies_on_the_live_proxy(
     assert (tmp_path / "tpot-4qps.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_conversations_on_the_live_workers(deployment: Deployment, tmp_path: Path) -> None:
+    """`eldr bench --workload conversations`: a policy through the admin API and the same proxy
+    driven as a plain router, each on its own fresh conversations; a later turn's prompt holds
+    its history, so the prefill worker's own counters see hits, and the decode workers pull
+    KV over NIXL."""
+    out = eldr_ok("bench", "--url", deployment.proxy_url, "--policies", "rr", "--router",
+                  f"as-is={deployment.proxy_url}", "--workload", "conversations",
+                  "--conversations", "2", "--turns", "2", "--max-tokens", "8",
+                  "--system-tokens", "256", "--message-tokens", "64", "--think-time", "0",
+                  "--rounds", "1", "--result-dir", str(tmp_path), home=deployment.home)
+    assert "TTFT p50 t>=2" in out
+    for name in ("rr", "as-is"):
+        doc = json.loads((tmp_path / f"{name}-conversations.json").read_text())
+        assert doc["completed"] == 4 and doc["failed"] == 0, doc["errors"]
+        assert doc["median_ttft_later_ms"] > 0 and doc["median_tpot_ms"] > 0
+        assert 0 < doc["prefill_hit_share"] <= 1 and doc["ideal_prefill_hit_share"] > 0
+        assert doc["decode_kv_pulled_tokens"] > 0
+
+
 def test_results_files_carry_every_key_of_vllms_own_benchmark(
     deployment: Deployment, tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -366,6 +460,26 @@ def test_engine_cost_measures_the_live_decode_workers(deployment: Deployment) ->
     assert 0.5 < moved.step < 2.0  # the same engine a few seconds later
     both = fit_passes([first, second])
     assert len(both.measurements) == len(result.measurements) + len(again.measurements)
+
+
+def test_engine_cost_times_the_kv_hand_off(deployment: Deployment) -> None:
+    """With the prefill workers given, each probe prompt's KV is handed off to the measured
+    decode worker and one token decoded from it: the slope over prompt lengths is the KV pull
+    per token the routing objective prices (eldr-kv)."""
+    from stages.bench.cost.engine_cost import EngineCostConfig, measure_engine_cost
+    from stages.paths import EVALUATION_PROMPTS
+    from stages.routing.cost_model import fit_prefill
+
+    result = measure_engine_cost(EngineCostConfig(
+        worker_urls=deployment.decode_urls[:1], prompts_path=EVALUATION_PROMPTS, num_layers=4,
+        batch_sizes=(1, 2), domain_mixes=(1, 0), repeats=1, max_tokens=4, prefill_probes=3,
+        prefill_urls=deployment.prefill_urls, model="tiny", warmup=False, seed=2,
+    ))
+    assert len(result.transfer_points) == 3
+    assert len({t for t, _ in result.transfer_points}) == 3
+    assert all(s > 0 for _, s in result.transfer_points)
+    tokens, seconds = zip(*result.transfer_points, strict=True)
+    assert result.model.kv_transfer_per_token_s == fit_prefill(tokens, seconds)[1]
 
 
 def _vllm_load(decode_url: str) -> int:

@@ -9,7 +9,11 @@ per step (robust to the ramp-up and drain steps). A plain vLLM server with eldr'
 a normal completion runs prefill and decode there. Prefill cost comes from single requests of
 several prompt lengths (``max_tokens=1``, time to first token), measured first so no prompt is
 in the prefix cache yet, on the prefill workers when given (a PD deployment's prefill runs
-there, on its own cores), else on the measured workers.
+there, on its own cores), else on the measured workers. With prefill workers given, the KV
+hand-off is timed too: each probe prompt (made new by a nonce, so no worker holds it) is
+prefilled for a remote decode, then one token is decoded on each measured worker from that
+hand-off; the slope of that time against the prompt's tokens is what pulling a token's KV costs
+(``CostModel.kv_transfer_per_token_s``), the rest one step and the request around it.
 
 Caveat the counters decide: if the plugin counts steps that also run a prefill chunk, the
 first step of each batch carries prefill time; long ``max_tokens`` dilutes it.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,6 +59,8 @@ from stages.routing.cost_model import (
     fit_prefill,
     fit_quality,
 )
+from stages.serve.proxy.payloads import PREFILL_KV_TRANSFER_PARAMS
+from stages.signature import wire
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,8 @@ class EngineCostResult:
     model: CostModel
     quality: dict[str, float]  # of the fit to the counted steps, before the overhead
     prefill_points: tuple[tuple[int, float], ...] = field(default=())  # (tokens, seconds)
+    # (prompt tokens, seconds to decode one token from a prefill's KV hand-off)
+    transfer_points: tuple[tuple[int, float], ...] = field(default=())
     step_overhead_s: float = 0.0  # in model.base_s: the client's step less the counted one
     prompt_ids: tuple[str, ...] = ()  # every prompt sent, warm-up included
 
@@ -220,6 +229,30 @@ class _Measurer:
         return points
 
 
+    async def transfer(self, prefill_url: str, decode_url: str,
+                       prompts: Sequence[Prompt]) -> list[tuple[int, float]]:
+        points = []
+        for p in prompts:  # one at a time: the pull alone, no queue
+            body = {"prompt": f"[{uuid.uuid4().hex}] {p.prompt}", "max_tokens": 1,
+                    "temperature": 0, **({"model": self.config.model} if self.config.model
+                                         else {})}
+            response = await self.client.post(f"{prefill_url}/v1/completions", json={
+                **body, "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS)})
+            response.raise_for_status()
+            answer = response.json()
+            kv = {k: v for k, v in (answer.get("kv_transfer_params") or {}).items()
+                  if k not in (wire.SIGNATURE_KEY, wire.SHAPE_KEY)}
+            if not kv:
+                raise EldrError(f"{prefill_url} handed off no KV: is it a PD prefill worker"
+                                " (NixlConnector)?")
+            t0 = time.perf_counter()
+            decoded = await self.client.post(f"{decode_url}/v1/completions",
+                                             json={**body, "kv_transfer_params": kv})
+            decoded.raise_for_status()
+            points.append((int(answer["usage"]["prompt_tokens"]), time.perf_counter() - t0))
+        return points
+
+
 def _prefill_prompts(prompts: list[Prompt], n: int) -> list[Prompt]:
     """``n`` prompts spanning the length range (quantiles of character length)."""
     by_len = sorted(prompts, key=lambda p: len(p.prompt))
@@ -260,6 +293,7 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
     rng = np.random.default_rng(config.seed)
     measurements: list[Measurement] = []
     prefill_points: list[tuple[int, float]] = []
+    transfer_points: list[tuple[int, float]] = []
     async with httpx.AsyncClient(timeout=config.timeout_s) as client:
         measurer = _Measurer(config, client)
         if config.warmup:
@@ -268,6 +302,10 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
             probe = _prefill_prompts(prompts, config.prefill_probes)
             for url in config.prefill_urls or config.worker_urls:
                 prefill_points += await measurer.prefill(url, probe)
+            if config.prefill_urls:
+                for url in config.worker_urls:
+                    transfer_points += await measurer.transfer(config.prefill_urls[0], url,
+                                                               probe)
         for _ in range(config.repeats):
             for size in config.batch_sizes:
                 for mix in config.domain_mixes:
@@ -278,7 +316,8 @@ async def measure_engine_cost_async(config: EngineCostConfig) -> EngineCostResul
                     ))
     sharing = dict(zip(config.worker_urls, config.core_sharing or (1,) * len(config.worker_urls),
                        strict=True))
-    result = fit_measurements(measurements, prefill_points, config.num_layers, sharing)
+    result = fit_measurements(measurements, prefill_points, config.num_layers, sharing,
+                              transfer_points)
     return replace(result, prompt_ids=tuple(dict.fromkeys(measurer.sent)))
 
 
@@ -294,14 +333,20 @@ def fit_measurements(
     prefill_points: Sequence[tuple[int, float]],
     num_layers: int,
     core_sharing: dict[str, int],
+    transfer_points: Sequence[tuple[int, float]] = (),
 ) -> EngineCostResult:
     """One cost model over measured batches (of one pass or several), with the client's
-    overhead in its base and prefill fitted from the timed prompts (the default without)."""
+    overhead in its base, prefill fitted from the timed prompts and the KV pull from the timed
+    hand-offs (the defaults without)."""
     prefill_kwargs: dict[str, float] = {}
     if len({t for t, _ in prefill_points}) >= 2:
         tokens, seconds = zip(*prefill_points, strict=True)
         base, per_token = fit_prefill(tokens, seconds)
         prefill_kwargs = {"prefill_base_s": base, "prefill_per_token_s": per_token}
+    transfer: dict[str, float] = {}
+    if len({t for t, _ in transfer_points}) >= 2:
+        tokens, seconds = zip(*transfer_points, strict=True)
+        transfer = {"kv_transfer_per_token_s": fit_prefill(tokens, seconds)[1]}
     scale = shared_core_scale(core_sharing)
     most = max(core_sharing.values())
     samples = [
@@ -316,9 +361,10 @@ def fit_measurements(
     overhead = max(float(np.median(gaps)), 0.0) if gaps else 0.0
     return EngineCostResult(
         tuple(measurements),
-        replace(forward, base_s=forward.base_s + overhead),
+        replace(forward, base_s=forward.base_s + overhead, **transfer),
         fit_quality(forward, samples),
         tuple(prefill_points),
+        tuple(transfer_points),
         overhead,
     )
 

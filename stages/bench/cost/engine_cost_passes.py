@@ -45,12 +45,14 @@ class ProbePass:
     measurements: tuple[Measurement, ...]
     prefill_points: tuple[tuple[int, float], ...]
     prompt_ids: tuple[str, ...]
+    transfer_points: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def of(cls, result: EngineCostResult, started: str, workers: Sequence[str],
            core_sharing: Sequence[int]) -> ProbePass:
         return cls(started, tuple(workers), tuple(core_sharing), result.model.num_layers,
-                   result.measurements, result.prefill_points, result.prompt_ids)
+                   result.measurements, result.prefill_points, result.prompt_ids,
+                   result.transfer_points)
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)  # orjson writes the tuples as lists
@@ -71,6 +73,8 @@ class ProbePass:
             measurements=measurements,
             prefill_points=tuple((int(t), float(s)) for t, s in doc["prefill_points"]),
             prompt_ids=tuple(doc["prompt_ids"]),
+            # Passes saved before the KV hand-off was timed have none.
+            transfer_points=tuple((int(t), float(s)) for t, s in doc.get("transfer_points", ())),
         )
 
 
@@ -120,6 +124,7 @@ def fit_passes(passes: Sequence[ProbePass]) -> EngineCostResult:
         [pt for p in passes for pt in p.prefill_points],
         first.num_layers,
         dict(zip(first.workers, first.core_sharing, strict=True)),
+        [pt for p in passes for pt in p.transfer_points],
     )
 
 
