@@ -61,3 +61,14 @@ def test_full_workers_are_skipped_while_another_has_room() -> None:
     request = RoutingRequest(loads=np.array([2, 0, 1], dtype=np.int64), eligible=ALL,
                              prompt_tokens=4096, cached_tokens=np.array([4096, 0, 0]))
     assert policy.choose(request) != 0
+
+
+def test_the_kv_only_yardstick_ignores_experts_but_not_the_kv() -> None:
+    policy = make_policy("kv", RoutingContext(3, seed=0, top_k=2), {"cost": "gpu"})
+    counts = np.zeros((4, 16), dtype=np.int16)
+    counts[:, :2] = 5
+    request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL, counts=counts,
+                             prompt_tokens=4096, cached_tokens=np.array([0, 0, 4096]))
+    assert policy.choose(request) == 2
+    policy.on_dispatch(2, request, "a")  # counted by the proxy's loads only
+    policy.on_complete(2, "a")

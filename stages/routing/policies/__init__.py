@@ -15,7 +15,7 @@ from stages.routing.params import build_params
 from stages.routing.policies.base import DecodePolicy, PrefillRequest, RoutingRequest
 from stages.routing.policies.eldr import EldrParams, EldrPolicy
 from stages.routing.policies.eldr_bounded import EldrBoundedParams, EldrBoundedPolicy
-from stages.routing.policies.eldr_kv import EldrKvPolicy, KVParams
+from stages.routing.policies.eldr_kv import EldrKvPolicy, KvOnlyPolicy, KVParams
 from stages.routing.policies.eldr_union import EldrUnionPolicy, UnionParams
 from stages.routing.policies.jsq import JsqPolicy
 from stages.routing.policies.p2c import PowerOfTwoPolicy
@@ -25,8 +25,8 @@ from stages.routing.policies.round_robin import RoundRobinPolicy
 POLICIES: dict[str, type[DecodePolicy]] = {
     cls.name: cls
     for cls in (
-        EldrPolicy, EldrBoundedPolicy, EldrUnionPolicy, EldrKvPolicy, RoundRobinPolicy, JsqPolicy,
-        RandomPolicy, PowerOfTwoPolicy,
+        EldrPolicy, EldrBoundedPolicy, EldrUnionPolicy, EldrKvPolicy, KvOnlyPolicy,
+        RoundRobinPolicy, JsqPolicy, RandomPolicy, PowerOfTwoPolicy,
     )
 }
 

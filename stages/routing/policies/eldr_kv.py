@@ -116,3 +116,16 @@ def _cheapest(seconds: np.ndarray, eligible: np.ndarray, rng: np.random.Generato
     sub = seconds[idx]
     best = idx[sub <= sub.min() * (1.0 + 1e-9)]  # every one filtered out (inf): any of them
     return int(best[rng.integers(best.size)]) if best.size > 1 else int(best[0])
+
+
+class KvOnlyPolicy(EldrKvPolicy):
+    """The KV-aware routers' rule ("kv"): both legs priced by the KV each worker holds and its
+    load, experts ignored (vllm-router's kv_aware, llm-d's precise prefix scorer and Dynamo's KV
+    router route so). eldr-kv with its expert term left out: the yardstick that says what the
+    experts add."""
+
+    name: ClassVar[str] = "kv"
+    uses_counts: ClassVar[bool] = False
+
+    def _predict(self, request: RoutingRequest) -> None:
+        return None

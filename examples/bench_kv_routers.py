@@ -1,0 +1,131 @@
+"""KV-aware routing side by side with vllm-router, on the same live vLLM workers, in one run.
+
+Starts ``eldr serve`` (``--prefill 2 --decode 2`` eager workers of the bundled model by
+default: the workers publish vLLM's KV events to the proxy), then vllm-router in PD mode on
+the very same workers, and runs ``eldr bench --workload conversations``: eldr's policies (by
+its admin API) and vllm-router take turns each round, every one on fresh conversations (a
+prefix cache outlives a run). The table it prints carries, per router, the prefill workers'
+prefix-hit share from their own ``vllm:prefix_cache_*`` counters against the ideal (every turn
+on the worker holding its history), the KV tokens the decode workers pulled, and TTFT per turn
+and TPOT with their round-to-round spread.
+
+vllm-router is the Rust router from PyPI (``pip install vllm-router``; give its path with
+``--vllm-router``). Its ``kv_aware`` policy needs KV events at block size 16 in PD mode, which
+vLLM's CPU attention cannot use (multiples of 32), so on CPU workers its best configuration
+that runs is ``cache_aware`` (an approximate prefix tree) on both legs: ``--vllm-router-policy``
+picks another.
+
+    python -m examples.bench_kv_routers                      # about 15 min on 2 cores
+    python -m examples.bench_kv_routers --rounds 2 --conversations 6 --policies eldr-kv
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from stages.serve.cluster.ports import free_ports
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{what} not healthy after {timeout_s:.0f} s")
+
+
+@contextmanager
+def _running(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[
+        subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--prefill", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--policies", default="eldr-kv,eldr-union",
+                    help="eldr's policies to bench, comma separated")
+    ap.add_argument("--vllm-router", default=shutil.which("vllm-router"),
+                    help="the vllm-router executable (pip install vllm-router)")
+    ap.add_argument("--vllm-router-policy", default="cache_aware")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--max-concurrency", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--think-time", type=float, default=1.0)
+    ap.add_argument("--result-dir", type=Path, default=Path("results/kv-routers"))
+    args = ap.parse_args()
+    if not args.vllm_router or not Path(args.vllm_router).exists():
+        raise SystemExit("vllm-router not found: pip install vllm-router, or give --vllm-router")
+
+    eldr = [sys.executable, "-m", "eldr_cli"]
+    home = Path(tempfile.mkdtemp(prefix="eldr-kv-routers-"))
+    env = {**os.environ, "ELDR_HOME": str(home)}
+    proxy_port, router_port, worker_port = free_ports(3)
+    proxy = f"http://127.0.0.1:{proxy_port}"
+    router = f"http://127.0.0.1:{router_port}"
+    serve = [*eldr, "serve", "--model", args.model, "--prefill", str(args.prefill),
+             "--decode", str(args.decode), "--enforce-eager", "--policy", "eldr-kv",
+             "--port", str(proxy_port), "--worker-port", str(worker_port)]
+    print(f"starting {' '.join(serve[2:])} (logs in {home})", flush=True)
+    with _running(serve, home / "serve.log", env) as served:
+        _wait_healthy(proxy, served, "eldr serve", 900)
+        state = httpx.get(f"{proxy}/admin/state", timeout=10).json()
+        prefill = [w["url"] for w in state["prefill_workers"]]
+        decode = [w["url"] for w in state["decode_workers"]]
+        argv = [args.vllm_router, "--vllm-pd-disaggregation", "--host", "127.0.0.1",
+                "--port", str(router_port), "--policy", args.vllm_router_policy]
+        for url in prefill:
+            argv += ["--prefill", url]
+        for url in decode:
+            argv += ["--decode", url]
+        with _running(argv, home / "vllm-router.log") as routed:
+            _wait_healthy(router, routed, "vllm-router", 60)
+            name = f"vllm-router-{args.vllm_router_policy.replace('_', '-')}"
+            bench = [*eldr, "bench", "--url", proxy, "--policies", args.policies,
+                     "--router", f"{name}={router}", "--workload", "conversations",
+                     "--turns", str(args.turns), "--conversations", str(args.conversations),
+                     "--rounds", str(args.rounds), "--max-concurrency",
+                     str(args.max_concurrency), "--max-tokens", str(args.max_tokens),
+                     "--think-time", str(args.think_time),
+                     "--prefill-urls", ",".join(prefill), "--decode-urls", ",".join(decode),
+                     "--result-dir", str(args.result_dir)]
+            print(" ".join(bench[2:]), flush=True)
+            subprocess.run(bench, env=env, check=True)
+
+
+if __name__ == "__main__":
+    main()
