@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -97,3 +98,44 @@ def test_the_policies_that_need_the_check_come_from_the_registry() -> None:
     readers = {n for n in POLICIES if reads_signatures(n)}
     assert readers == {"eldr", "eldr-bl", "eldr-union"}
     assert all(POLICIES[n].uses_signature or POLICIES[n].uses_counts for n in readers)
+
+
+def test_attached_workers_are_checked_under_the_name_they_serve(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Workers started as `eldr worker-args` says but served under their path (vLLM's
+    default name): the self-check asks for the model by the name their /v1/models lists, and
+    the proxy forwards under it; workers that disagree are refused, both names given."""
+    from typer.testing import CliRunner
+
+    from eldr_cli.app import app
+    from tests.conftest import free_port
+    from tests.test_cli import _Serving
+
+    serving = _Serving(monkeypatch, tmp_path, ["p0", "d0", "d1"])
+    try:
+        for behavior in serving.behaviors:
+            behavior.served_name = "/models/tiny"
+        attach = ["--attach-prefill", serving.urls[0], "--attach-decode", serving.urls[1],
+                  "--attach-decode", serving.urls[2]]
+        ok = CliRunner().invoke(app, ["serve", "--policy", "rr", "--port", str(free_port()),
+                                      *attach])
+        assert ok.exit_code == 0, ok.output
+        assert serving.checked() == ["p0", "d0", "d1"]
+        (config,) = serving.configs
+        assert config.model == "/models/tiny"  # type: ignore[attr-defined]
+
+        named = CliRunner().invoke(app, ["serve", "--policy", "rr", "--port", str(free_port()),
+                                         "--served-model-name", "tiny", *attach])
+        assert isinstance(named.exception, EldrError)
+        assert "'/models/tiny'" in str(named.exception) and "'tiny'" in str(named.exception)
+
+        serving.behaviors[2].served_name = "other"
+        refused = CliRunner().invoke(app, ["serve", "--policy", "rr", "--port",
+                                           str(free_port()), *attach])
+        assert isinstance(refused.exception, EldrError)
+        message = str(refused.exception)
+        assert serving.urls[2] in message and "'other'" in message
+        assert "'/models/tiny'" in message
+        assert len(serving.configs) == 1  # the proxy never opened
+    finally:
+        serving.stop()

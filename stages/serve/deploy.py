@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 
@@ -252,7 +252,11 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
     from stages.serve.cluster.supervisor import Supervisor
     from stages.serve.proxy.group import serve_group
     from stages.serve.proxy.metrics import no_restarts
-    from stages.serve.proxy.self_check import check_records_signatures
+    from stages.serve.proxy.self_check import (
+        agreed_served_name,
+        check_records_signatures,
+        read_served_name,
+    )
 
     o, cluster, config = deployment.options, deployment.cluster, deployment.proxy
 
@@ -265,8 +269,13 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
         if cluster is not None:
             _start(deployment, cluster, echo)
         if not o.skip_self_check:  # every worker, started or attached, whatever the policy
+            if o.attach:  # the name they serve under is theirs, vLLM's default their path
+                config = replace(config, model=agreed_served_name(
+                    {url: read_served_name(url, o.worker_api_key)
+                     for url in (*config.prefill_urls, *config.decode_urls)},
+                    o.served_model_name))
             for url in (*config.prefill_urls, *config.decode_urls):
-                check_records_signatures(url, deployment.model.identity, o.served_as,
+                check_records_signatures(url, deployment.model.identity, config.model,
                                          o.worker_api_key)
         if cluster is not None:
             supervisor = Supervisor(cluster)

@@ -102,6 +102,9 @@ class FakeBehavior:
     # Asked to record (RECORD_KEY): the decode counts it publishes when the request ends, as
     # eldr's connector measures them (None: the prompt's signature times the tokens).
     decode_counts: Callable[[dict[str, Any], int], np.ndarray] | None = None
+    # The name /v1/models lists; set, a request naming another model is answered 404 as vLLM
+    # does (None: "fake-model", and any name is served).
+    served_name: str | None = None
 
     def reset(self) -> None:
         self.tokens, self.token_delay_s, self.delay_s = 4, 0.0, 0.0
@@ -209,6 +212,11 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
         if behavior.fail_status is not None:
             err = {"error": {"message": f"{behavior.name} told to fail", "code": 0}}
             return Response(orjson.dumps(err), behavior.fail_status, media_type="application/json")
+        asked = body.get("model", behavior.served_name)
+        if behavior.served_name is not None and asked != behavior.served_name:
+            err = {"error": {"message": f"The model `{asked}` does not exist.",
+                             "type": "NotFoundError", "param": "model", "code": 404}}
+            return Response(orjson.dumps(err), 404, media_type="application/json")
         headers = {"X-Request-Id": request.headers.get("x-request-id", "")}
         if prompt_text(body) == PROBE_PROMPT:
             return _self_check_answer(behavior, body)
@@ -261,7 +269,8 @@ def create_fake_worker(behavior: FakeBehavior) -> Starlette:
         return Response(status_code=200 if behavior.healthy else 503)
 
     async def models(request: Request) -> Response:
-        data = {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        name = behavior.served_name or "fake-model"
+        data = {"object": "list", "data": [{"id": name, "object": "model"}]}
         return Response(orjson.dumps(data), media_type="application/json")
 
     return Starlette(

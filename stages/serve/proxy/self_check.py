@@ -9,10 +9,15 @@ served model's shape, built MoE layers as the config says, and every layer count
 the proxy asks again whenever a worker rejoins rotation (``check_records_signatures_async``, on
 its own aiohttp session; stages.serve.proxy.rejoin). Both send ``probe_body`` and judge the answer
 with ``check_answer``, so the two can never disagree on what a valid answer is.
+
+Workers the user started (``--attach-*``) serve the model under whatever name they were given,
+their model path by vLLM's default: the name is read from each one's ``/v1/models``
+(``served_name``), and workers that disagree are refused (``agreed_served_name``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -114,3 +119,60 @@ async def check_records_signatures_async(
     except UPSTREAM_ERRORS as exc:
         raise EldrError(f"self-check of worker {url} failed: {exc!r}") from exc
     check_answer(url, status, content, identity)
+
+
+def served_name(url: str, status: int, content: bytes) -> str:
+    """The model a worker serves, from its answer to ``GET /v1/models``."""
+    if status != 200:
+        text = content[:300].decode(errors="replace")
+        raise EldrError(f"worker {url} answered {status} to /v1/models: {text}")
+    try:
+        listed = orjson.loads(content)["data"]
+        names = [str(entry["id"]) for entry in listed]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise EldrError(f"worker {url}: its /v1/models answer lists no model ({exc!r})") from exc
+    if not names:
+        raise EldrError(f"worker {url}: its /v1/models answer lists no model")
+    return names[0]  # vLLM lists the served name first, then any LoRA adapters
+
+
+def read_served_name(url: str, api_key: str | None = None,
+                     timeout_s: float = CHECK_TIMEOUT_S) -> str:
+    """A worker's served model name (blocking, at start-up)."""
+    try:
+        response = httpx.get(f"{url}/v1/models", headers=bearer_header(api_key),
+                             timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise EldrError(f"cannot read the model worker {url} serves: {exc!r}") from exc
+    return served_name(url, response.status_code, response.content)
+
+
+async def read_served_name_async(session: aiohttp.ClientSession, url: str,
+                                 timeout: aiohttp.ClientTimeout) -> str:
+    """A worker's served model name, on the proxy's session (a worker that rejoins)."""
+    try:
+        async with session.get(f"{url}/v1/models", timeout=timeout) as resp:
+            content = await resp.read()
+            status = resp.status
+    except UPSTREAM_ERRORS as exc:
+        raise EldrError(f"cannot read the model worker {url} serves: {exc!r}") from exc
+    return served_name(url, status, content)
+
+
+def agreed_served_name(names: Mapping[str, str], expected: str | None = None) -> str:
+    """The one name every worker (url -> name) serves the model under; refuse, naming both,
+    workers that disagree with each other or with ``expected`` (a name the user gave)."""
+    urls = list(names)
+    first = names[urls[0]]
+    for url in urls[1:]:
+        if names[url] != first:
+            raise EldrError(
+                f"workers serve the model under different names: {urls[0]} as {first!r},"
+                f" {url} as {names[url]!r}; start them with one --served-model-name"
+            )
+    if expected is not None and expected != first:
+        raise EldrError(
+            f"--served-model-name {expected!r}, but the workers serve the model as {first!r}"
+            f" ({urls[0]}); drop --served-model-name or start them with it"
+        )
+    return first
