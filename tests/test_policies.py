@@ -44,7 +44,8 @@ EYE2 = np.eye(2, dtype=np.float32)
 
 
 def test_registry_names_every_policy() -> None:
-    assert set(POLICIES) == {"eldr", "eldr-bl", "eldr-union", "rr", "jsq", "random", "p2c"}
+    assert set(POLICIES) == {"eldr", "eldr-bl", "eldr-union", "eldr-kv", "kv", "rr", "jsq",
+                             "random", "p2c"}
     assert isinstance(make_policy("rr", RoutingContext(3)), RoundRobinPolicy)
     assert isinstance(make_policy("jsq", RoutingContext(3)), JsqPolicy)
     assert isinstance(make_policy("random", RoutingContext(3)), RandomPolicy)
