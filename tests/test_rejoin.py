@@ -292,3 +292,25 @@ def test_without_the_check_no_policy_that_reads_signatures_may_run() -> None:
         assert client.get("/admin/state").json()["policy"] == "rr"  # nothing changed
         assert client.post("/admin/policy", json={"policy": "jsq"}).status_code == 200
         assert "eldr_worker_self_check" not in client.get("/metrics").text
+
+
+def test_a_worker_back_under_another_model_name_stays_out_naming_both(
+    fakes: list[tuple[FakeBehavior, str]],
+) -> None:
+    """A worker restarted by hand under another --served-model-name: the proxy forwards under
+    the name the others serve, so it stays out, with both names, until it serves that one."""
+    (behavior, url), _ = fakes
+
+    async def check(prober: Prober, checks: SelfChecks, pool: WorkerPool) -> None:
+        behavior.healthy = False
+        await probe(prober, checks, pool)
+        behavior.healthy, behavior.served_name = True, "/models/other"
+        await probe(prober, checks, pool)
+        assert not pool.healthy(0)
+        reason = pool.views()[0].last_error or ""
+        assert "'/models/other'" in reason and "'fake-model'" in reason and url in reason
+        behavior.served_name = "fake-model"
+        await probe(prober, checks, pool)
+        assert pool.healthy(0)
+
+    _run([url], check)

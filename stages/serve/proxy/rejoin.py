@@ -4,10 +4,11 @@ A supervised worker that restarted, or an attached one that came back, may come 
 eldr's recording hook (another install, a stale compile cache): routing on it would be blind.
 The health prober (stages.serve.proxy.health) hands every worker that answers ``/health`` 200 but is
 not trusted (out of rotation, or not verified since it was last seen down or restarted) to
-``admit``, which runs ``stages.serve.proxy.self_check`` on it and puts it in rotation only if it
-passes. A failure keeps it out, with the reason as its ``last_error``; the next probe tries
-again (it may have been warming up). Each check runs as a task of its own: a slow answer must
-never hold up the probe round that watches the other workers.
+``admit``, which runs ``stages.serve.proxy.self_check`` on it (the model name it serves, then the
+probe) and puts it in rotation only if it passes. A failure keeps it out, with the reason as
+its ``last_error``; the next probe tries again (it may have been warming up). Each check runs
+as a task of its own: a slow answer must never hold up the probe round that watches the other
+workers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import aiohttp
 
 from stages.errors import EldrError
 from stages.serve.proxy.metrics import RestartCounts
-from stages.serve.proxy.self_check import check_records_signatures_async
+from stages.serve.proxy.self_check import (
+    check_records_signatures_async,
+    read_served_name_async,
+)
 from stages.serve.proxy.workers import WorkerPool
 from stages.signature.dataset import ModelIdentity
 
@@ -105,6 +109,8 @@ class SelfChecks:
         # Read before asking: a restart while the check runs shows as a new count later.
         restarts = self._restarts(url)
         try:
+            if self._model_name is not None:
+                await self._check_served_name(session, url)
             await check_records_signatures_async(
                 session, url, self.identity, self._model_name, self._timeout
             )
@@ -119,6 +125,16 @@ class SelfChecks:
         rec.verified, rec.restarts, rec.failing = True, restarts, False
         rec.passed += 1
         pool.mark_healthy(index)
+
+    async def _check_served_name(self, session: aiohttp.ClientSession, url: str) -> None:
+        """A worker back under another name would answer every request 404: say so."""
+        name = await read_served_name_async(session, url, self._timeout)
+        if name != self._model_name:
+            raise EldrError(
+                f"worker {url} serves the model as {name!r}, the proxy forwards it as"
+                f" {self._model_name!r}; restart it with --served-model-name"
+                f" {self._model_name}"
+            )
 
     def _failed(self, pool: WorkerPool, index: int, reason: str) -> None:
         rec = self._records[(pool.role, index)]
