@@ -98,6 +98,8 @@ def test_a_router_benches_conversations_with_their_real_answers(
     # No admin call: the router was driven as it is, chat completions only.
     assert {r.path for r in behavior.received} == {"/v1/chat/completions"}
     assert len(behavior.received) == 3 * 3 * 2
+    # Each request names the model the router lists in /v1/models.
+    assert {r.body.get("model") for r in behavior.received} == {"fake-model"}
     by_conversation: dict[str, list[list[dict[str, str]]]] = {}
     for r in behavior.received:
         conv = r.headers["x-request-id"].rsplit("-t", 1)[0]

@@ -90,11 +90,16 @@ async def _resolve(config: ConversationBenchConfig, prefill: tuple[str, ...] | N
             prefill = _prefill_urls(state) if prefill is None else prefill
             decode = decode_worker_urls(state) if decode is None else decode
             model = model or await admin.served_model()
+        if model is None:
+            # Named in every request: a router in front of the workers (vllm-router) may
+            # route or refuse by the model field.
+            model = await ProxyAdmin(client, config.targets[0].url).served_model()
         prefill, decode = prefill or (), decode or ()
         if block_size is None:
             found = await worker_block_size(client, prefill[0]) if prefill else None
             block_size = found or DEFAULT_BLOCK_SIZE
-    return replace(config, prefill_urls=prefill, decode_urls=decode), block_size, model
+    return (replace(config, prefill_urls=prefill, decode_urls=decode, model=model), block_size,
+            model)
 
 
 def run_conversation_bench(config: ConversationBenchConfig, prefill: tuple[str, ...] | None,
