@@ -126,6 +126,9 @@ def test_the_simulator_writes_every_conversation_column(arrays) -> None:  # type
 
     metrics = simulate_conversations(small_config(("jsq",)), arrays, TOP_K)["jsq"]
     assert [m.key for m in CONVERSATION_METRICS if m.key not in metrics] == []
+    per_worker = metrics["prefill_hit_share_by_worker"]
+    assert len(per_worker) == 2  # one per prefill worker; NaN for one that served nothing
+    assert all(0 <= v <= 1 for v in per_worker if not np.isnan(v))
 
 
 def test_eldr_kv_runs_in_the_simulator(arrays) -> None:  # type: ignore[no-untyped-def]

@@ -106,6 +106,7 @@ class ConversationOutcome:
     first_token: np.ndarray
     done: np.ndarray
     prefill_cached: np.ndarray  # prompt tokens the chosen prefill worker held
+    prefill_worker: np.ndarray  # int64: the prefill worker of each turn
     decode_pulled: np.ndarray  # prompt tokens the chosen decode worker pulled
     step_distinct: np.ndarray  # distinct experts (summed over layers) per decode step
 
@@ -276,11 +277,11 @@ class _Run:
         if np.isnan(self.done).any():
             raise AssertionError("simulation ended with unfinished turns")
         return ConversationOutcome(self.arrival, self.first, self.done, self.cached,
-                                   self.pulled, np.asarray(self.distinct))
+                                   self.prefill_of, self.pulled, np.asarray(self.distinct))
 
 
 def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
-             num_layers: int) -> dict[str, object]:
+             num_layers: int, num_prefill: int) -> dict[str, object]:
     n = len(turns)
     prompt = np.array([p.size for p in turns.prompts], dtype=np.int64)
     output = np.array([a.size for a in turns.answers], dtype=np.int64)
@@ -292,6 +293,10 @@ def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
     metrics["ttft_later_round_spread_ms"] = float("nan")  # one run: no rounds to spread over
     total_prompt = float(prompt.sum())
     metrics["prefill_hit_share"] = share(float(outcome.prefill_cached.sum()), total_prompt)
+    cached = np.bincount(outcome.prefill_worker, outcome.prefill_cached, num_prefill)
+    queried = np.bincount(outcome.prefill_worker, prompt, num_prefill)
+    metrics["prefill_hit_share_by_worker"] = [share(float(c), float(q))
+                                              for c, q in zip(cached, queried, strict=True)]
     metrics["decode_kv_pulled_tokens"] = float(outcome.decode_pulled.sum())
     metrics["decode_hit_share"] = 1.0 - share(float(outcome.decode_pulled.sum()), total_prompt)
     metrics["ideal_prefill_hit_share"] = ideal_share
@@ -347,4 +352,5 @@ def simulate_conversations(config: ConversationSimConfig, arrays: SignatureArray
     """Each policy's figures (``CONVERSATION_METRICS`` and ``summarize``'s keys)."""
     turns, outcomes, ideal = simulate_outcomes(config, arrays, top_k, artifact)
     num_layers = arrays.decode_counts.shape[1]
-    return {name: _metrics(o, turns, ideal, num_layers) for name, o in outcomes.items()}
+    return {name: _metrics(o, turns, ideal, num_layers, config.num_prefill)
+            for name, o in outcomes.items()}
