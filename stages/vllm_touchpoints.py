@@ -131,7 +131,9 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     Touchpoint(f"{_MOE}.expert_substitution:ConstantExpertSubstitution", M, "the logical"
                " expert count of a substituted layer", ("num_logical_experts",), optional=True),
     Touchpoint(f"{_MOE}.config:FusedMoEConfig", M, "the buffer's width when the router has no"
-               " top_k", ("experts_per_token",)),
+               " top_k, and the table's width under EPLB, whose redundant experts count in"
+               " global_num_experts (vllm_compat.logical_num_experts)",
+               ("experts_per_token", "num_logical_experts")),
     Touchpoint(f"{_MOE}.routed_experts_capturer:RoutedExpertsSink.__init__", S, "kernels that"
                " route inside the kernel report their ids to a sink eldr gives them"
                " (vllm_compat.routed_experts_sink; 0.31 has none, such kernels are refused)",
