@@ -63,6 +63,9 @@ class ServerSpec:
     # Where the worker publishes vLLM's KV events (stages.routing.kv.endpoints), so routers
     # know which prompt blocks it holds; None: it publishes none.
     kv_events: str | None = None
+    # Where the worker publishes each stored KV block's expert counts
+    # (stages.capture.expert_events); None: it publishes none.
+    expert_events: str | None = None
     eldr_plugin: bool = True
     count_decode: bool = False
     # False only for a routing-identical prefill variant that eldr has checked itself
@@ -90,7 +93,7 @@ class ServerSpec:
 
 def kv_transfer_config(
     role: str, count_decode: bool = False, nixl_compat_check: bool = True,
-    publish_batch: str | None = None,
+    publish_batch: str | None = None, publish_experts: str | None = None,
 ) -> dict[str, object]:
     """eldr's signature connector, composed with NixlConnector for prefill/decode roles.
 
@@ -102,6 +105,8 @@ def kv_transfer_config(
     extra: dict[str, object] = {"count_decode": count_decode}
     if publish_batch is not None:
         extra["publish_batch"] = publish_batch
+    if publish_experts is not None:
+        extra["publish_experts"] = publish_experts
     eldr: dict[str, object] = {
         "kv_connector": SIGNATURE_CONNECTOR,
         "kv_role": "kv_both",
@@ -163,7 +168,7 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--kv-events-config", json.dumps(kv_events_config(spec.kv_events))]
     if spec.eldr_plugin:
         config = kv_transfer_config(spec.role, spec.count_decode, spec.nixl_compat_check,
-                                    spec.batch_endpoint)
+                                    spec.batch_endpoint, spec.expert_events)
         argv += ["--kv-transfer-config", json.dumps(config)]
     argv += list(spec.extra_args)
 

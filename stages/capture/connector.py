@@ -40,6 +40,7 @@ from stages.capture.batch_publisher import (
     BatchPublisher,
     request_name,
 )
+from stages.capture.expert_events import PUBLISH_EXPERTS_KEY, ExpertEventPublisher
 from stages.capture.kv_group import signature_group
 from stages.capture.ledger import SignatureLedger
 from stages.capture.messages import StepPlan, StepReport
@@ -109,10 +110,16 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_report: StepReport | None = None
         self._stats = EldrConnectorStats()
         self._reported_failure = False  # logged once per engine, counted every time
+        self._reported_hash_size = False
         self._publisher: BatchPublisher | None = None
+        self._expert_publisher: ExpertEventPublisher | None = None
         if role == KVConnectorRole.SCHEDULER:
+            experts_endpoint = extra.get(PUBLISH_EXPERTS_KEY)
             self._ledger = SignatureLedger(group.block_size, None, self._count_decode,
-                                           group=group.index)
+                                           group=group.index,
+                                           publish_blocks=bool(experts_endpoint))
+            if experts_endpoint:  # proxies follow each stored block's expert counts
+                self._expert_publisher = ExpertEventPublisher(str(experts_endpoint))
             endpoint = extra.get(PUBLISH_BATCH_KEY)
             if endpoint:  # a decode worker of eldr serve: the proxies subscribe to its batch
                 self._publisher = BatchPublisher(str(endpoint))
@@ -188,8 +195,26 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens > 0 and self._ledger is not None:
+        if self._ledger is None:
+            return
+        if num_external_tokens > 0:
             self._ledger.mark_remote(request.request_id)
+        if self._expert_publisher is not None:
+            self._track_hashes(request)
+
+    def _track_hashes(self, request: Request) -> None:
+        assert self._ledger is not None
+        block_size = self._ledger.block_size
+        if len(request.block_hashes) != request.num_tokens // block_size:
+            # vLLM hashes this model's blocks at another size than the signature group's
+            # blocks (a hybrid model): a hash would not name a signature row.
+            if not self._reported_hash_size:
+                self._reported_hash_size = True
+                logger.error(
+                    "eldr: expert events are off: vLLM hashes %d blocks for %d tokens, not"
+                    " blocks of %d", len(request.block_hashes), request.num_tokens, block_size)
+            return
+        self._ledger.track_hashes(request.request_id, request.block_hashes)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._ledger is not None
@@ -206,6 +231,10 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
                 for recorded in self._ledger.recorded:
                     self._publisher.finished(*recorded)
             self._ledger.recorded.clear()
+        if self._ledger.stored_blocks:
+            if self._expert_publisher is not None:
+                self._expert_publisher.publish(self._ledger.stored_blocks)
+            self._ledger.stored_blocks = {}
         if report is not None and report.decode_steps:
             self._stats.add(report)
         zero = self._ledger.zero_signatures - zero_before
@@ -239,6 +268,8 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
+        if self._expert_publisher is not None:
+            self._expert_publisher.close()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._stats.is_empty():

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from stages.capture.messages import StepPlan, StepReport
+from stages.routing.kv.block_hashes import external_hash
 from stages.signature import wire
 
 DECODE_COUNTS_KEY = "eldr_decode_counts"
@@ -40,7 +41,8 @@ class _Tracked:
 
 class SignatureLedger:
     def __init__(
-        self, block_size: int, shape: tuple[int, int] | None, count_decode: bool, group: int = 0
+        self, block_size: int, shape: tuple[int, int] | None, count_decode: bool, group: int = 0,
+        publish_blocks: bool = False,
     ) -> None:
         self.block_size = block_size
         self.group = group  # the KV cache group whose blocks hold signatures (kv_group)
@@ -56,6 +58,16 @@ class SignatureLedger:
         self.moe_layers: tuple[int, ...] = ()  # as the worker built them, once it reported
         # Prompts whose signature came back empty: the recording hook did not run for them.
         self.zero_signatures = 0
+        # Expert events: each request's block hashes (vLLM's own list, which it extends as
+        # tokens arrive), and the counts of blocks that became full, until published.
+        self.publish_blocks = publish_blocks
+        self._hashes: dict[str, list[Any]] = {}
+        self.stored_blocks: dict[int, np.ndarray] = {}
+
+    def track_hashes(self, req_id: str, block_hashes: list[Any]) -> None:
+        """``block_hashes``: the request's ``Request.block_hashes`` (kept by reference)."""
+        if self.publish_blocks:
+            self._hashes[req_id] = block_hashes
 
     def mark_remote(self, req_id: str) -> None:
         """The request's KV arrives from a prefill instance; there is nothing to sum here."""
@@ -74,6 +86,7 @@ class SignatureLedger:
             self._requests.pop(req_id, None)
             remote.discard(req_id)
             record.pop(req_id, None)
+            self._hashes.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             prompt_len = len(new.prompt_token_ids or ())
             tracked = _Tracked(
@@ -116,6 +129,8 @@ class SignatureLedger:
         decode_start = max(start, tracked.prompt_len)
         if (self.count_decode or tracked.record_as is not None) and decode_start < end:
             plan.decode_slots[req_id] = [self._slot(tracked, p) for p in range(decode_start, end)]
+        if self.publish_blocks:
+            self._plan_blocks(plan, req_id, tracked, start, end)
         if tracked.remote:
             return
         if first and start % self.block_size:
@@ -125,6 +140,23 @@ class SignatureLedger:
         if tracked.signature is None and start < tracked.prompt_len <= end:
             num_blocks = -(-tracked.prompt_len // self.block_size)
             plan.snapshots[req_id] = tracked.block_ids[:num_blocks]
+
+    def _plan_blocks(
+        self, plan: StepPlan, req_id: str, tracked: _Tracked, start: int, end: int
+    ) -> None:
+        """Ask for the rows of the blocks that become full in this step, by their hashes."""
+        hashes = self._hashes.get(req_id)
+        if hashes is None:
+            return
+        first = start // self.block_size
+        if tracked.remote:
+            # The prompt's KV came from elsewhere: the table holds only blocks wholly past it.
+            first = max(first, -(-tracked.prompt_len // self.block_size))
+        # A block whose hash vLLM has not computed yet (its last token not yet appended, as
+        # under async scheduling) is left out rather than guessed.
+        last = min(end // self.block_size, len(hashes), len(tracked.block_ids))
+        for i in range(first, last):
+            plan.block_snapshots[external_hash(hashes[i])] = tracked.block_ids[i]
 
     def _slot(self, tracked: _Tracked, position: int) -> int:
         block = tracked.block_ids[position // self.block_size]
@@ -141,6 +173,8 @@ class SignatureLedger:
                     tracked.signature = counts
                     if tracked.prompt_len and len(wire.empty_layers(counts)):
                         self.zero_signatures += 1
+            if self.publish_blocks:
+                self.stored_blocks.update(report.block_counts)
             for req_id, counts in report.decode_counts.items():
                 self.shape = counts.shape  # a decode-only engine computes no signature
                 tracked = (self._requests.get(req_id) or self._awaiting.get(req_id)
@@ -163,6 +197,7 @@ class SignatureLedger:
     def finished(self, req_id: str, output_tokens: int = 0) -> dict[str, Any]:
         """The ``kv_transfer_params`` to return for a finishing request (filled now or soon)."""
         tracked = self._requests.pop(req_id, None)
+        self._hashes.pop(req_id, None)
         self._record.pop(req_id, None)  # finished (aborted) before it was ever scheduled
         params: dict[str, Any] = {}
         if tracked is not None and tracked.record_as is not None:

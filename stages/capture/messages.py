@@ -43,6 +43,9 @@ class StepPlan(KVConnectorMetadata):
     decode_only: bool = False
     # tokens the forward runs (a CUDA graph may pad its batch beyond them)
     num_tokens: int = 0
+    # block hash -> KV block id, for blocks that become full in this step (only when the
+    # worker publishes expert events): their rows, once this step is added, come back
+    block_snapshots: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class DeviceResults:
     copy: PendingCopy
     signature_ids: list[str] = field(default_factory=list)  # rows of "signatures"
     decode_ids: list[str] = field(default_factory=list)  # rows of "decode_counts"
+    block_hashes: list[int] = field(default_factory=list)  # rows of "blocks"
     step_time: StepTime | None = None  # with "active" and "tokens": decode-step statistics
 
     def fill(self, report: StepReport) -> None:
@@ -60,6 +64,8 @@ class DeviceResults:
             report.signatures[req_id] = arrays["signatures"][row]
         for row, req_id in enumerate(self.decode_ids):
             report.decode_counts[req_id] = arrays["decode_counts"][row]
+        for row, block_hash in enumerate(self.block_hashes):
+            report.block_counts[block_hash] = arrays["blocks"][row]
         if "unwritten" in arrays and bool(arrays["unwritten"]):
             report.unrecorded_steps = 1
         if self.step_time is not None and int(arrays["tokens"]) > 0:
@@ -73,6 +79,8 @@ class DeviceResults:
 class StepReport(KVConnectorWorkerMetadata):
     signatures: dict[str, np.ndarray] = field(default_factory=dict)  # int32 [L, E]
     decode_counts: dict[str, np.ndarray] = field(default_factory=dict)  # int32 [L, E]
+    # block hash -> the block's counts (int16 [L, E]), for StepPlan.block_snapshots
+    block_counts: dict[int, np.ndarray] = field(default_factory=dict)
     decode_steps: int = 0
     active_experts: np.ndarray | None = None  # int64 [L]: sum over decode steps
     decode_seconds: float = 0.0
@@ -118,7 +126,7 @@ def merge_stages(a: StepReport, b: StepReport) -> StepReport:
     layers = a.moe_layers + b.moe_layers
     order = np.argsort(layers, kind="stable")
 
-    def rows(x: dict[str, np.ndarray], y: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def rows(x: dict[Any, np.ndarray], y: dict[Any, np.ndarray]) -> dict[Any, np.ndarray]:
         merged = {}
         for req_id in x.keys() | y.keys():
             # A request one stage did not report gets zero rows there, which the ledger
@@ -134,6 +142,7 @@ def merge_stages(a: StepReport, b: StepReport) -> StepReport:
     return StepReport(
         signatures=rows(a.signatures, b.signatures),
         decode_counts=rows(a.decode_counts, b.decode_counts),
+        block_counts=rows(a.block_counts, b.block_counts),
         decode_steps=min(a.decode_steps, b.decode_steps) if active is not None else 0,
         active_experts=active,
         # The stages run one after the other for a step's tokens.
@@ -144,7 +153,7 @@ def merge_stages(a: StepReport, b: StepReport) -> StepReport:
     )
 
 
-def _experts(*tables: dict[str, np.ndarray]) -> int:
+def _experts(*tables: dict[Any, np.ndarray]) -> int:
     for table in tables:
         for counts in table.values():
             return int(counts.shape[1])

@@ -205,6 +205,12 @@ class SignatureRecorder:
         if plan.snapshots:
             step.signature_ids = list(plan.snapshots)
             results["signatures"] = self._sum_blocks(list(plan.snapshots.values()))
+        if plan.block_snapshots:
+            # Blocks that became full in this step, for expert events: a gather and a
+            # non-blocking copy, read where the step's outputs are already on the host.
+            step.block_hashes = list(plan.block_snapshots)
+            rows = to_device(list(plan.block_snapshots.values()), self.table.device)
+            results["blocks"] = self.table.index_select(0, rows)
         if not results:
             return None
         step.copy = PendingCopy(results)
