@@ -229,6 +229,8 @@ def kv_proxy() -> Iterator[tuple[object, list[FakeBehavior], httpx.Client]]:
 
 def test_the_proxy_sends_both_legs_to_the_workers_holding_the_prompt(kv_proxy) -> None:
     state, behaviors, client = kv_proxy
+    assert client.post("/admin/policy", json={"policy": "eldr-kv",
+                                              "config": {"local_prefill_below": 0}}).is_success
     kv = state.kv
     prompt = "The committee reviewed the annual report on water quality. " * 30
     ids = kv.tokenizer.completion({"prompt": prompt})
@@ -258,3 +260,39 @@ def test_a_prompt_it_cannot_reproduce_is_routed_without_kv(kv_proxy) -> None:
     assert r.status_code == 200, r.text
     assert state.metrics.registry.get_sample_value(
         "eldr_kv_prompt_tokens_total", {"leg": "prefill"}) in (None, 0.0)
+
+
+def test_a_decode_worker_holding_nearly_all_the_prompt_prefills_it_itself(kv_proxy) -> None:
+    state, behaviors, client = kv_proxy
+    kv = state.kv
+    history = "The committee reviewed the annual report on water quality. " * 30
+    prompt = history + "What changed since last year?"
+    hashes = BlockHasher().hashes(kv.tokenizer.completion({"prompt": history}), 32)
+    kv.prefill.apply(0, 0, batch(stored(hashes, block_size=32)))
+    kv.decode.apply(1, 0, batch(stored(hashes, block_size=32)))  # the conversation's worker
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert [len(b.received) for b in behaviors] == [0, 0, 0, 1]  # no prefill, no hand-off
+    sent = behaviors[3].received[0].body
+    assert sent["prompt"] == prompt and "do_remote_prefill" not in sent.get(
+        "kv_transfer_params", {})
+    assert state.metrics.registry.get_sample_value("eldr_router_local_prefills_total") == 1
+    # Asked for far more than it holds, the same worker gets the PD path.
+    r = client.post("/v1/completions", json={"prompt": prompt * 4, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert sum(len(b.received) for b in behaviors[:2]) == 1
+    wait_until(lambda: state.decode.loads().sum() == 0)
+
+
+def test_a_local_prefill_that_fails_takes_the_pd_path(kv_proxy) -> None:
+    state, behaviors, client = kv_proxy
+    kv = state.kv
+    prompt = "The committee reviewed the annual report on water quality. " * 30
+    hashes = BlockHasher().hashes(kv.tokenizer.completion({"prompt": prompt}), 32)
+    kv.decode.apply(0, 0, batch(stored(hashes, block_size=32)))
+    behaviors[2].fail_status = 503  # decode worker 0 answers 503 to anything
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert len(behaviors[2].received) == 1  # tried locally first
+    assert sum(len(b.received) for b in behaviors[:2]) == 1  # then prefilled remotely
+    assert len(behaviors[3].received) == 1  # and decoded on the other worker

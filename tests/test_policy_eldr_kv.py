@@ -72,3 +72,30 @@ def test_the_kv_only_yardstick_ignores_experts_but_not_the_kv() -> None:
     assert policy.choose(request) == 2
     policy.on_dispatch(2, request, "a")  # counted by the proxy's loads only
     policy.on_complete(2, "a")
+
+
+def _prefill(cached: int, queued: int = 0) -> PrefillRequest:
+    return PrefillRequest(loads=np.zeros(2, dtype=np.int64), eligible=np.ones(2, dtype=bool),
+                          prompt_tokens=2000, cached_tokens=np.array([cached, 0]),
+                          queued_tokens=np.array([queued, 0]))
+
+
+def test_a_decode_worker_holding_the_history_prefills_the_new_turn_itself() -> None:
+    policy = _policy()
+    request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL, prompt_tokens=2000,
+                             cached_tokens=np.array([0, 1792, 0]), output_tokens=64)
+    # 208 tokens to compute where it is, against a remote prefill of them and their pull.
+    assert policy.choose_local(request, _prefill(cached=1536)) == 1
+    # Lacking more than the cap: the PD path.
+    capped = _policy(local_prefill_below=128)
+    assert capped.choose_local(request, _prefill(cached=1536)) is None
+    # A busy batch pays for the stall: the PD path.
+    busy = request._replace(loads=np.array([0, 30, 0]))
+    assert policy.choose_local(busy, _prefill(cached=1536)) is None
+    off = _policy(local_prefill_below=0)
+    assert off.choose_local(request, _prefill(cached=1536)) is None
+
+
+def test_local_prefill_needs_to_know_the_kv() -> None:
+    request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL)
+    assert _policy().choose_local(request, _prefill(cached=0)) is None

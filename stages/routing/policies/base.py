@@ -86,6 +86,12 @@ class DecodePolicy(ABC):
         prefill to the proxy's prefix hash (every policy but the KV-aware ones)."""
         return None
 
+    def choose_local(self, request: RoutingRequest, prefill: PrefillRequest) -> int | None:
+        """At a request's arrival, before any prefill: the decode worker that should prefill
+        it itself (it holds nearly all of the prompt), or None to prefill on a prefill worker
+        and choose the decode worker afterwards (every policy but the KV-aware ones)."""
+        return None
+
     def on_complete(self, worker: int, key: Hashable) -> None:  # noqa: B027
         """Called when request ``key`` on ``worker`` finished (success or failure). A key this
         policy never saw (dispatched before a policy switch) must be ignored."""

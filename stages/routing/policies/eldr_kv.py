@@ -9,6 +9,16 @@ slot it takes (``scorers.load`` when its signature is unknown). Filters are eldr
 worker may hold at most ``max(1, load_slack x mean)`` more requests than the least loaded, and
 a full worker is skipped while another has room.
 
+Conditional disaggregation (``choose_local``): at a request's arrival, the decode worker the
+objective picks from its KV and load (no signature yet) prefills the request itself, skipping
+the prefill worker and the hand-off, when the prompt tokens it lacks are fewer than
+``local_prefill_below`` and prefilling them there costs less: its batch (the request and the
+``n`` running beside it) waits ``(n + 1) x prefill per token x lacking`` against the remote path's
+prefill-ready time plus the pull. A conversation's decode worker holds its whole history,
+answers included, which a prefill worker never sees: a later turn then computes only its new
+message. Otherwise the request takes the PD path and its decode worker is chosen after prefill,
+from its signature.
+
 A worker's KV that the proxy cannot vouch for (events silent or undecodable) counts as empty,
 so it is priced on load and experts alone. Without KV knowledge at all (no events, a prompt
 that cannot be tokenized as the worker does) eldr-kv is eldr-union.
@@ -33,6 +43,9 @@ from stages.routing.scorers.prefill_queue import prefill_ready_s
 
 # When a request sets no max_tokens: what a chat answer runs to, roughly.
 DEFAULT_OUTPUT_TOKENS = 256
+# The most a decode worker's batch is held up by a local prefill: vLLM's default chunk of
+# prefill tokens a step on GPUs; the objective decides below it.
+DEFAULT_LOCAL_PREFILL_BELOW = 512
 
 
 @dataclass(frozen=True)
@@ -41,8 +54,16 @@ class KVParams(UnionParams):
                                 " decode when it sets no max_tokens (weighs per-step costs"
                                 " against the one-off KV pull)")
 
+    local_prefill_below: int = option(DEFAULT_LOCAL_PREFILL_BELOW, "a decode worker prefills a"
+                                      " request itself (no prefill worker, no KV hand-off) when"
+                                      " it lacks fewer than this many of its prompt tokens and"
+                                      " that is cheaper; 0: never")
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.local_prefill_below < 0:
+            raise ParamError("local_prefill_below", "local_prefill_below must be >= 0, got"
+                             f" {self.local_prefill_below}")
         if self.output_tokens < 1:
             raise ParamError("output_tokens", f"output_tokens must be >= 1, got"
                              f" {self.output_tokens}")
@@ -79,6 +100,24 @@ class EldrKvPolicy(EldrUnionPolicy):
         ready = prefill_ready_s(request.prompt_tokens, request.cached_tokens,
                                 request.queued_tokens, request.loads, self._costs())
         return _cheapest(ready, request.eligible, self.rng)
+
+    # --- at arrival: prefill on the decode worker? ---
+
+    def choose_local(self, request: RoutingRequest, prefill: PrefillRequest) -> int | None:
+        cap = self.params.local_prefill_below
+        if cap <= 0 or request.cached_tokens is None or request.prompt_tokens <= 0:
+            return None
+        worker = self.choose(request)
+        lacking = max(request.prompt_tokens - int(request.cached_tokens[worker]), 0)
+        if lacking >= cap:
+            return None
+        cost = self._costs()
+        local = (int(request.loads[worker]) + 1) * cost.prefill_per_token_s * lacking
+        ready = prefill_ready_s(prefill.prompt_tokens, prefill.cached_tokens,
+                                prefill.queued_tokens, prefill.loads, cost)
+        ready[~prefill.eligible] = np.inf
+        remote = float(ready.min()) + cost.kv_transfer_per_token_s * lacking
+        return worker if local < remote else None
 
     # --- decode ---
 

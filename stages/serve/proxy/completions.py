@@ -25,7 +25,7 @@ from stages.serve.proxy.answer import Answer, to_response
 from stages.serve.proxy.answer_ids import for_client
 from stages.serve.proxy.batch import serve_batch
 from stages.serve.proxy.batch_split import split
-from stages.serve.proxy.decode_leg import hand_off, run_decode
+from stages.serve.proxy.decode_leg import hand_off, run_decode, run_local
 from stages.serve.proxy.disconnect import unless_client_leaves
 from stages.serve.proxy.http1 import PoolExhausted
 from stages.serve.proxy.prefill_leg import run_prefill
@@ -46,6 +46,10 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def serve_one(ctx: RequestContext) -> Answer:
+    if ctx.prompt is not None:  # KV-aware: a decode worker may hold nearly all of it
+        answer, ctx = await run_local(ctx)
+        if answer is not None:
+            return answer
     kv = await run_prefill(ctx)
     return await run_decode(ctx, hand_off(ctx, kv))
 

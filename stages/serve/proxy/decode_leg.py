@@ -25,7 +25,7 @@ from typing import Any
 from stages.serve.proxy.answer import Answer, Stream, Whole
 from stages.serve.proxy.decode_router import NO_KV, Features, KVInputs
 from stages.serve.proxy.http1 import Response
-from stages.serve.proxy.prefill_leg import run_prefill
+from stages.serve.proxy.prefill_leg import prefill_request, run_prefill
 from stages.serve.proxy.request_context import RequestContext
 from stages.serve.proxy.responses import ProxyError, UpstreamClientError
 from stages.serve.proxy.sse import DONE_EVENT, IncompleteEvent, error_event, is_done, whole_events
@@ -54,6 +54,41 @@ def hand_off(ctx: RequestContext, kv: dict[str, Any] | None) -> Handoff:
     if features.missing:
         ctx.state.metrics.missing_signature.inc()
     return Handoff(kv, features, feature_seconds)
+
+
+async def run_local(ctx: RequestContext) -> tuple[Answer | None, RequestContext]:
+    """Conditional disaggregation: where the policy sends the request at arrival to a decode
+    worker that holds nearly all of its prompt, that worker prefills it itself (no prefill
+    worker, no hand-off: the request goes to it as it came). ``(None, ctx)`` when it does not,
+    or when that worker failed before anything reached the client: the PD path takes the
+    request then, under a request id of its own if the worker had it."""
+    state = ctx.state
+    pool = state.decode
+    kv = kv_inputs(ctx)
+    eligible = pool.eligible()
+    prefill = prefill_request(ctx, state.prefill.eligible())
+    if kv.cached_tokens is None or prefill is None or not eligible.any():
+        return None, ctx
+    decision = state.router.choose_local(pool.loads(), eligible, kv, prefill)
+    if decision is None:
+        return None, ctx
+    worker = decision.worker
+    assert ctx.prompt is not None and state.kv is not None  # kv_inputs found both
+    state.kv.decode.sent(worker, ctx.prompt.hashes)  # it computes and stores what it lacks
+    state.metrics.local_prefills.inc()
+    state.metrics.decisions.labels(state.router.policy_name, pool.name(worker)).inc()
+    tag = ctx.request_id if pool.published is not None else None
+    lease = pool.acquire(worker, decision.on_complete, tag)
+    outcome = await _attempt(ctx, lease, ctx.legs.decode_payload(None, tag))
+    if not isinstance(outcome, Failure):
+        pool.record_success(worker)
+        return outcome, ctx
+    log.warning("request %s: decode worker %s failed a local prefill (%.1f s in): %s; taking"
+                " the PD path", ctx.request_id, lease.url, ctx.elapsed(), outcome.reason)
+    pool.record_failure(worker, outcome.reason)
+    if outcome.delivered:
+        ctx = ctx.with_request_id(f"{ctx.request_id}-pd")
+    return None, ctx
 
 
 def kv_inputs(ctx: RequestContext) -> KVInputs:

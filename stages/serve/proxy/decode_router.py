@@ -21,6 +21,7 @@ from stages.routing.context import RoutingContext
 from stages.routing.inputs import routing_inputs, signature_counts
 from stages.routing.policies import (
     DecodePolicy,
+    PrefillRequest,
     RoutingRequest,
     make_policy,
 )
@@ -219,6 +220,20 @@ class DecodeRouter:
         policy.on_dispatch(worker, request, key)
         # Bound to the policy that heard the dispatch: after a switch the old one hears the
         # completion and forgets the request; the new one never counted it.
+        return Decision(worker, partial(policy.on_complete, key=key))
+
+    def choose_local(self, loads: np.ndarray, eligible: np.ndarray, kv: KVInputs,
+                     prefill: PrefillRequest) -> Decision | None:
+        """At arrival: the decode worker that prefills the request itself, or None for the PD
+        path (``DecodePolicy.choose_local``); a worker chosen is dispatched to right away."""
+        request = RoutingRequest(loads=loads, eligible=eligible, prompt_tokens=kv.prompt_tokens,
+                                 cached_tokens=kv.cached_tokens, output_tokens=kv.output_tokens)
+        policy = self.policy
+        worker = policy.choose_local(request, prefill)
+        if worker is None:
+            return None
+        key = next(self._keys)
+        policy.on_dispatch(worker, request, key)
         return Decision(worker, partial(policy.on_complete, key=key))
 
     # --- the other proxies' requests, as the decode workers publish them ---

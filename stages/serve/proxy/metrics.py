@@ -174,6 +174,9 @@ class ProxyMetrics:
         self.kv_cached_tokens = Counter(
             "eldr_kv_cached_tokens_total", "Of them, the tokens the chosen worker held.",
             ["leg"], registry=r)
+        self.local_prefills = Counter(
+            "eldr_router_local_prefills_total", "Requests a decode worker prefilled itself (it"
+            " held nearly all of the prompt): no prefill worker, no KV hand-off.", registry=r)
         r.register(_Restarts((prefill, decode), restarts))
         r.register(_Ejections((prefill, decode)))
         if checks is not None:

@@ -78,17 +78,27 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
                      "prefill_failed")
 
 
+def prefill_request(ctx: RequestContext, eligible: np.ndarray) -> PrefillRequest | None:
+    """What a KV-aware policy sees of the prefill workers for this request (None: its
+    prompt's blocks are not known)."""
+    state, prompt = ctx.state, ctx.prompt
+    if prompt is None or state.kv is None:
+        return None
+    return PrefillRequest(loads=state.prefill.loads(), eligible=eligible,
+                          prompt_tokens=prompt.tokens,
+                          cached_tokens=state.kv.prefill.cached_tokens(prompt.reusable),
+                          queued_tokens=state.kv.prefill_queued)
+
+
 def choose_prefill(ctx: RequestContext, eligible: np.ndarray) -> tuple[int, int]:
     """The prefill worker, and the prompt tokens it is counted to compute (queued on it until
     it answers): the policy's KV-aware choice where it makes one and the prompt's blocks are
     known, else the prefix hash with its bounded-load gate."""
     state, prompt = ctx.state, ctx.prompt
     pool, kv = state.prefill, state.kv
-    if prompt is not None and kv is not None:
-        cached = kv.prefill.cached_tokens(prompt.reusable)
-        request = PrefillRequest(loads=pool.loads(), eligible=eligible,
-                                 prompt_tokens=prompt.tokens, cached_tokens=cached,
-                                 queued_tokens=kv.prefill_queued)
+    request = prefill_request(ctx, eligible)
+    if request is not None and prompt is not None and kv is not None:
+        cached = request.cached_tokens
         worker = state.router.policy.choose_prefill(request)
         if worker is not None:
             lacking = max(prompt.tokens - int(cached[worker]), 0)
