@@ -164,3 +164,75 @@ def test_a_proxy_follows_the_publisher_with_its_history(tmp_path) -> None:
         publisher.close()
     np.testing.assert_array_equal(view.index.signature_of([1, 2, 3]), np.full((2, 3), 6))
     assert view.last_seq == [1] and view.undecodable.tolist() == [0]
+
+
+# --- eldr serve's wiring ---
+
+def test_workers_eldr_serve_starts_for_eldr_kv_publish_on_their_own_endpoints() -> None:
+    import json
+
+    from stages.engine import server_command
+    from stages.serve.cluster.launcher import Cluster, ClusterSpec
+    from tests.test_launcher import free_range
+
+    plain = Cluster(ClusterSpec(model="/m", served_name="m", base_port=free_range(3)))
+    assert plain.expert_event_endpoints == [None, None, None]
+    assert "publish_experts" not in " ".join(server_command(plain.specs[0])[0])
+
+    cluster = Cluster(ClusterSpec(model="/m", served_name="m", base_port=free_range(3),
+                                  expert_events=True))
+    endpoints = cluster.expert_event_endpoints
+    assert len(set(endpoints)) == 3 and all(e and e.startswith("ipc://") for e in endpoints)
+    for spec in cluster.specs:
+        argv = server_command(spec)[0]
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        eldr = config["kv_connector_extra_config"]["connectors"][0]
+        assert eldr["kv_connector_extra_config"]["publish_experts"] == spec.expert_events
+
+
+def test_a_proxy_given_expert_events_follows_them_into_its_index(tmp_path) -> None:
+    from stages.paths import BUNDLED_MODELS_DIR
+    from stages.serve.proxy import create_app
+    from stages.serve.proxy.config import KVConfig
+    from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+    from tests.test_proxy import fast_config, wait_until
+
+    with pytest.raises(EldrError, match="1 expert event endpoints for 2 workers"):
+        KVConfig(tokenizer="/m", prefill_events=(None,), decode_events=(None,),
+                 expert_events=("ipc:///x",))
+    endpoint = f"ipc://{tmp_path}/experts"
+    publisher = ExpertEventPublisher(endpoint)
+    servers = [BackgroundServer(create_fake_worker(FakeBehavior(n)), "critical").start()
+               for n in ("p0", "d0")]
+    kv = KVConfig(tokenizer=str(BUNDLED_MODELS_DIR / "tiny"), prefill_events=(None,),
+                  decode_events=(None,), expert_events=(endpoint, None))
+    app = create_app(fast_config([servers[0].url], [servers[1].url], policy="eldr-kv",
+                                 model="tiny", kv=kv))
+    try:
+        with BackgroundServer(app):
+            publisher.publish({7: np.ones((2, 3), dtype=np.int32)})
+            index = app.state.proxy.block_experts.index
+            wait_until(lambda: len(index) == 1)
+            np.testing.assert_array_equal(index.signature_of([7]), np.ones((2, 3)))
+    finally:
+        publisher.close()
+        for s in servers:
+            s.stop()
+
+
+def test_eldr_serve_turns_expert_events_on_for_eldr_kv_only(monkeypatch, tmp_path) -> None:
+    from stages.serve import deploy
+    from stages.serve.deploy import ServeOptions, plan
+    from tests.conftest import free_port
+    from tests.test_launcher import free_range
+
+    # The plan only: no artifact is read (eldr-kv's centroids are not what is tested here).
+    monkeypatch.setattr(deploy, "needs_centroids", lambda policy: False)
+    experts = {}
+    for policy in ("kv", "eldr-kv"):
+        serve = plan(ServeOptions(policy=policy, model="tiny", port=free_port(),
+                                  worker_port=free_range(3), store=tmp_path / "none"))
+        assert serve.proxy.kv is not None
+        experts[policy] = serve.proxy.kv.expert_events
+    assert experts["kv"] == ()
+    assert len(experts["eldr-kv"]) == 3 and None not in experts["eldr-kv"]

@@ -222,8 +222,10 @@ def _kv_config(o: ServeOptions, model: ResolvedModel,
         prefill, decode = list(o.attach_kv_events[:split]), list(o.attach_kv_events[split:])
     else:
         return None
+    experts = cluster.expert_event_endpoints if cluster is not None else []
     return KVConfig(tokenizer=model.source, prefill_events=tuple(prefill),
-                    decode_events=tuple(decode))
+                    decode_events=tuple(decode),
+                    expert_events=tuple(experts) if any(experts) else ())
 
 
 def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel | None,
@@ -235,7 +237,7 @@ def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel
         max_num_seqs=o.max_num_seqs, log_dir=paths.eldr_home() / "logs",
         worker_cores=tuple(o.worker_cores.split("|")) if o.worker_cores else None,
         enforce_eager=o.enforce_eager, extra_args=extra_args, prefill_tp=o.prefill_tp,
-        decode_tp=o.decode_tp,
+        decode_tp=o.decode_tp, expert_events=o.policy == "eldr-kv",
     ))
     taken = {p for s in cluster.specs
              for p in (s.port, s.nixl_side_channel_port, s.batch_port) if p is not None}

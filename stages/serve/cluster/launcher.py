@@ -43,6 +43,8 @@ class ClusterSpec:
     # vLLM --tensor-parallel-size of each prefill / decode worker
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Workers publish each stored KV block's expert counts (stages.capture.expert_events).
+    expert_events: bool = False
 
     def tp(self, role: str) -> int:
         return self.prefill_tp if role == "prefill" else self.decode_tp
@@ -152,7 +154,8 @@ def side_channel_ports(spec: ClusterSpec) -> list[int]:
 
 def worker_specs(spec: ClusterSpec, nixl_ports: list[int],
                  batch_ports: list[int] | None = None,
-                 kv_events: list[str] | None = None) -> list[ServerSpec]:
+                 kv_events: list[str] | None = None,
+                 expert_events: list[str] | None = None) -> list[ServerSpec]:
     """The workers' specs, prefill workers first; ``nixl_ports`` has one port per worker,
     ``batch_ports`` one per decode worker (None: they publish no batch), ``kv_events`` one
     KV event endpoint per worker (None: they publish no KV events)."""
@@ -183,6 +186,7 @@ def worker_specs(spec: ClusterSpec, nixl_ports: list[int],
             nixl_side_channel_port=nixl_ports[i],
             batch_port=batch_ports[i - spec.prefill] if batch_ports and role == "decode" else None,
             kv_events=kv_events[i] if kv_events else None,
+            expert_events=expert_events[i] if expert_events else None,
             nixl_compat_check=not mixed,
             enforce_eager=spec.enforce_eager,
             tensor_parallel_size=spec.tp(role),
@@ -235,7 +239,8 @@ class Cluster:
         # endpoint only as a wildcard, on every interface).
         self._kv_dir = Path(tempfile.mkdtemp(prefix="eldr-kv-"))
         kv = [f"ipc://{self._kv_dir}/{i}" for i in range(spec.prefill + spec.decode)]
-        self.specs = worker_specs(spec, nixl, batch, kv)
+        experts = [f"ipc://{self._kv_dir}/experts-{i}" for i in range(len(kv))]
+        self.specs = worker_specs(spec, nixl, batch, kv, experts if spec.expert_events else None)
         self.servers: list[VllmServer] = []  # in spec order, once all are ready
         self._starting: dict[int, VllmServer] = {}  # spec index -> started, while starting
 
@@ -284,6 +289,11 @@ class Cluster:
 
     def kv_event_endpoints(self, role: str) -> list[str | None]:
         return [s.kv_events for s in self.specs if s.role == role]
+
+    @property
+    def expert_event_endpoints(self) -> list[str | None]:
+        """Every worker's expert events endpoint, prefill workers first."""
+        return [s.expert_events for s in self.specs]
 
     @property
     def decode_batch_endpoints(self) -> list[str | None]:

@@ -33,7 +33,7 @@ from stages.serve.proxy.auth import auth_middleware
 from stages.serve.proxy.completions import chat_completions, completions
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.health import health_loop
-from stages.serve.proxy.kv_events import follow_kv_events
+from stages.serve.proxy.kv_events import KVEventSource, follow_kv_events
 from stages.serve.proxy.metrics import RestartCounts, no_restarts
 from stages.serve.proxy.online_refit import FitFn, balanced_fit
 from stages.serve.proxy.published_batches import follow_batches
@@ -85,6 +85,9 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         if state.kv is not None:
             for role, view in (("prefill", state.kv.prefill), ("decode", state.kv.decode)):
                 loops.append((f"eldr-kv-{role}", follow_kv_events(state.kv.sources(role), view)))
+        if state.block_experts is not None and c.kv is not None:
+            sources = [None if e is None else KVEventSource.parse(e) for e in c.kv.expert_events]
+            loops.append(("eldr-experts", follow_kv_events(sources, state.block_experts)))
         tasks = [asyncio.create_task(coro, name=name) for name, coro in loops]
         for task in tasks:
             task.add_done_callback(_report_crash)

@@ -28,9 +28,18 @@ class KVConfig:
     # A worker that owes events this long (a request sent that stores blocks, none came) is
     # routed on load alone until it publishes again.
     silent_after_s: float = 5.0
+    # Where each worker publishes its blocks' expert counts, prefill workers first (empty:
+    # none do; stages.capture.expert_events).
+    expert_events: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         from stages.routing.kv.block_hashes import HASH_ALGOS
+
+        object.__setattr__(self, "expert_events", tuple(self.expert_events))
+        workers = len(self.prefill_events) + len(self.decode_events)
+        if self.expert_events and len(self.expert_events) != workers:
+            raise EldrError(f"{len(self.expert_events)} expert event endpoints for {workers}"
+                            " workers")
 
         object.__setattr__(self, "prefill_events", tuple(self.prefill_events))
         object.__setattr__(self, "decode_events", tuple(self.decode_events))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from stages.errors import EldrError
+from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.policies import needs_centroids
 from stages.serve.proxy.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.config import ProxyConfig
@@ -40,6 +41,9 @@ class ProxyState:
     checks: SelfChecks | None = None
     recorder: TrafficRecorder | None = None  # `eldr serve --record`
     kv: KVRouting | None = None  # the workers' KV caches, when they publish KV events
+    # What the tokens of every block any worker holds routed to, when they publish expert
+    # events (prefill workers first, as KVConfig.expert_events).
+    block_experts: ExpertEventsView | None = None
     # Built once from the config: the per-request path only passes them along. The legs'
     # limits are for ``leg_client``; the others for ``session``.
     prefill_limits: Timeouts = field(init=False, repr=False)
@@ -166,4 +170,6 @@ def build_state(
         checks=checks,
         recorder=recorder,
         kv=kv,
+        block_experts=(ExpertEventsView(len(config.kv.expert_events), BlockExperts())
+                       if config.kv is not None and config.kv.expert_events else None),
     )
