@@ -2,12 +2,13 @@
 worker killed every few minutes, a policy switch and an artifact switch on the way, then a
 verdict on what was lost. Not part of CI (it runs for as long as you ask).
 
-    .venv/bin/python -m examples.soak --minutes 20
+    .venv/bin/python -m examples.soak --minutes 20 --kill-every 240 --fuzz-examples 200
 
 Load: ``--clients`` closed-loop streaming clients (default 70% of the decode workers' batch
 slots), each sending the bundled evaluation prompts back to back. Events: SIGKILL of a decode
 worker's API server every ``--kill-every`` seconds (the supervisor restarts it), a policy
-switch at a third of the run and back at two thirds, an artifact switch at half.
+switch from the default (eldr-kv, KV-aware: the workers publish their KV events to the proxy)
+to ``--switch-to`` at a third of the run and back at two thirds, an artifact switch at half.
 
 Verdict (exit 1 when it fails):
 - every request ended: 200 with ``[DONE]``, or a stream that ended with an error event (a
@@ -17,7 +18,14 @@ Verdict (exit 1 when it fails):
 - after warm-up (``--warmup`` seconds of load, or of a restarted worker's life), the memory
   (RSS of its process tree) and open files of the proxy and of each worker grew by at most
   ``--max-growth`` (5%) to the end. A worker restarted less than a warm-up before the end has
-  no baseline and is reported as such.
+  no baseline and is reported as such;
+- over the last ``--window`` seconds (10 minutes), the proxy's memory and open files grew by
+  at most ``--max-growth`` (reported for every process that lived through that window too);
+- each policy switch took (the proxy's state names the policy asked for).
+
+With ``--fuzz-examples N`` it then fuzzes the live proxy (examples/fuzz_proxy.py: N requests per
+route generated from vLLM's OpenAPI schema, sent to the proxy and to a decode worker) before
+shutting down, and fails on a 5xx from the proxy or a 4xx not in vLLM's error shape.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from pathlib import Path
 
 import httpx
 
+from examples.fuzz_proxy import fuzz
 from stages.errors import EldrError
 from stages.fit.artifact import ArtifactStore
 from stages.paths import EVALUATION_PROMPTS
@@ -44,6 +53,8 @@ from stages.procs.health import wait_healthy
 from stages.prompts import load_prompts
 from stages.serve.cluster.ports import free_ports
 from tests.proc_probe import api_server
+
+DEFAULT_POLICY = "eldr-kv"  # `eldr serve`'s default
 
 
 @dataclass
@@ -116,6 +127,33 @@ def sample(at: float, serve_pid: int, ports: dict[str, int]) -> list[Usage]:
     return out
 
 
+def window_growth(samples: list[Usage], window_s: float) -> dict[str, dict[str, object]]:
+    """Per process that ran through the last ``window_s`` seconds (the same pid from its first
+    sample to the end): the first sample in that window against the last, and the range of
+    every sample in it."""
+    end = samples[-1].at
+    out: dict[str, dict[str, object]] = {}
+    for name in dict.fromkeys(u.name for u in samples):
+        mine = [u for u in samples if u.name == name]
+        last = mine[-1]
+        inside = [u for u in mine if u.at >= end - window_s]
+        if min(u.at for u in mine if u.pid == last.pid) > end - window_s or len(inside) < 2 \
+                or any(u.pid != last.pid for u in inside):
+            out[name] = {"pid": last.pid, "note": "restarted within the window: no baseline"}
+            continue
+        base = inside[0]
+        rss = [u.rss_mb for u in inside]
+        fds = [u.fds for u in inside]
+        out[name] = {"pid": last.pid, "from_s": round(base.at), "samples": len(inside),
+                     "rss_mb": f"{base.rss_mb:.0f} -> {last.rss_mb:.0f}",
+                     "fds": f"{base.fds} -> {last.fds}",
+                     "rss_range_mb": f"{min(rss):.0f}-{max(rss):.0f}",
+                     "fds_range": f"{min(fds)}-{max(fds)}",
+                     "rss_growth": last.rss_mb / base.rss_mb - 1,
+                     "fds_growth": last.fds / base.fds - 1}
+    return out
+
+
 def growth(samples: list[Usage], warmup_s: float) -> dict[str, dict[str, object]]:
     """Per process: the first sample at least ``warmup_s`` into the load and into the life
     of the process that runs at the end, against the last sample."""
@@ -140,11 +178,17 @@ def growth(samples: list[Usage], warmup_s: float) -> dict[str, dict[str, object]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=20.0)
-    parser.add_argument("--kill-every", type=float, default=300.0, help="seconds")
+    parser.add_argument("--kill-every", type=float, default=240.0, help="seconds")
     parser.add_argument("--clients", type=int, default=11, help="70%% of 2 x 8 batch slots")
     parser.add_argument("--warmup", type=float, default=120.0, help="seconds")
     parser.add_argument("--max-growth", type=float, default=0.05, help="fraction")
+    parser.add_argument("--window", type=float, default=600.0,
+                        help="seconds at the end over which the proxy must stay flat")
     parser.add_argument("--sample-every", type=float, default=30.0, help="seconds")
+    parser.add_argument("--switch-to", default="eldr-union",
+                        help=f"the policy switched to from {DEFAULT_POLICY} and back")
+    parser.add_argument("--fuzz-examples", type=int, default=0,
+                        help="schema-fuzzed requests per route after the load (0: none)")
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="eldr-soak-"))
@@ -157,7 +201,7 @@ def main() -> int:
     port, worker_port = free_ports(2)
     url = f"http://127.0.0.1:{port}"
     serve = subprocess.Popen(
-        [sys.executable, "-m", "eldr_cli", "serve", "--policy", "eldr-union", "--port",
+        [sys.executable, "-m", "eldr_cli", "serve", "--policy", DEFAULT_POLICY, "--port",
          str(port), "--worker-port", str(worker_port)],
         env=env, stdout=(home / "serve.log").open("wb"), stderr=subprocess.STDOUT)
     try:
@@ -183,18 +227,20 @@ def main() -> int:
         events: list[tuple[float, str]] = []
         next_kill, victim = args.kill_every, 0
         switched: set[str] = set()
+        switches: list[bool] = []
         while (now := time.monotonic() - t0) < duration:
             if now >= next_sample:
                 samples += sample(now, serve.pid, ports)
                 next_sample += args.sample_every
             if now >= next_kill:
-                pid = api_server(serve.pid, worker_port + 1 + victim)
+                pid = api_server(serve.pid, ports[f"decode-{victim}"])
                 os.kill(pid, signal.SIGKILL)
                 events.append((now, f"SIGKILL decode-{victim}"))
                 next_kill += args.kill_every
                 victim = 1 - victim
-            for at, name, action in ((1 / 3, "jsq", "policy"), (1 / 2, "artifact", "artifact"),
-                                     (2 / 3, "eldr-union", "policy")):
+            for at, name, action in ((1 / 3, args.switch_to, "policy"),
+                                     (1 / 2, "artifact", "artifact"),
+                                     (2 / 3, DEFAULT_POLICY, "policy")):
                 if now >= at * duration and name not in switched:
                     switched.add(name)
                     if action == "policy":
@@ -203,7 +249,10 @@ def main() -> int:
                         r = httpx.post(f"{url}/admin/artifact", json={"version": first},
                                        timeout=10)
                     target = first if action == "artifact" else name
-                    events.append((now, f"{action} -> {target} ({r.status_code})"))
+                    key = "policy" if action == "policy" else "artifact_version"
+                    took = httpx.get(f"{url}/admin/state", timeout=10).json()[key]
+                    events.append((now, f"{action} -> {target} ({r.status_code}, now {took})"))
+                    switches.append(r.status_code == 200 and took == target)
             time.sleep(1)
         stop.set()
         for t in threads:
@@ -211,6 +260,8 @@ def main() -> int:
         samples += sample(time.monotonic() - t0, serve.pid, ports)
         time.sleep(3)
         state = httpx.get(f"{url}/admin/state", timeout=10).json()
+        fuzzed = (fuzz(url, state["decode_workers"][0]["url"], "tiny", args.fuzz_examples)
+                  if args.fuzz_examples else None)
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=180)
@@ -232,10 +283,22 @@ def main() -> int:
         "workers back": f"{sum(w['healthy'] for w in workers)} of {len(workers)}",
     }
     grown = growth(samples, args.warmup)
+    window = window_growth(samples, args.window)
     for at, what in events:
         print(f"  {at:7.0f} s  {what}")
     for key, value in checks.items():
         print(f"{key:>40}: {value}")
+    # KV-aware routing ran on the workers' KV events (eldr-kv): what the proxy was told.
+    for w, kv in enumerate(state["kv"] or []):
+        print(f"{'KV events, worker ' + str(w):>40}: {kv}")
+    print(f"over the last {args.window:.0f} s (first sample in it -> last; range):")
+    for name, g in window.items():
+        if "note" in g:
+            print(f"{name:>12} (pid {g['pid']}): {g['note']}")
+        else:
+            print(f"{name:>12} (pid {g['pid']}, from {g['from_s']} s, {g['samples']} samples):"
+                  f" RSS MB {g['rss_mb']} ({g['rss_growth']:+.1%}; {g['rss_range_mb']}),"
+                  f" open files {g['fds']} ({g['fds_growth']:+.1%}; {g['fds_range']})")
     print(f"after {args.warmup:.0f} s of warm-up, to the end (RSS of the process tree, files):")
     for name, g in grown.items():
         if "note" in g:
@@ -245,14 +308,22 @@ def main() -> int:
                   f" ({g['rss_growth']:+.1%}), open files {g['fds']} ({g['fds_growth']:+.1%})")
     flat = all(g.get("rss_growth", 0) <= args.max_growth and g.get("fds_growth", 0)
                <= args.max_growth for g in grown.values())
+    proxy_flat = "note" not in window["proxy"] and all(
+        window["proxy"][k] <= args.max_growth for k in ("rss_growth", "fds_growth"))
     ok = (not unexplained and checks["in flight at the end"] == 0
-          and all(w["healthy"] for w in workers) and flat and "note" not in grown["proxy"])
+          and all(w["healthy"] for w in workers) and flat and "note" not in grown["proxy"]
+          and proxy_flat and len(switches) == 3 and all(switches))
+    if fuzzed is not None:
+        print(f"schema fuzzing, {args.fuzz_examples} examples per route, after the load:")
+        print("\n".join(f"  {line}" for line in fuzzed.lines()))
+        print(f"fuzz {'passed' if fuzzed.ok else 'FAILED'}")
     (home / "soak.json").write_text(json.dumps(
-        {"checks": checks, "events": events, "ok": ok, "growth": grown,
+        {"checks": checks, "events": events, "ok": ok, "growth": grown, "window": window,
+         "fuzz": fuzzed.lines() if fuzzed is not None else None,
          "samples": [asdict(u) for u in samples],
          "outcomes": [asdict(o) for o in outcomes[:20000]]}, indent=1))
     print(f"soak {'passed' if ok else 'FAILED'}; details in {home / 'soak.json'}")
-    return 0 if ok else 1
+    return 0 if ok and (fuzzed is None or fuzzed.ok) else 1
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ _BOUNDS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 3, "best_of": 3,
 class Reply:
     status: int
     ended: bool  # a stream ended with [DONE], or a whole response was read
+    body: bytes  # a whole response's bytes; empty for a stream
+    streamed: bool
 
 
 def steer(body: Any, name_model: bool, model: str) -> Any:
@@ -73,12 +75,36 @@ def send(url: str, route: str, body: Any, timeout_s: float) -> Reply:
     content = body if isinstance(body, bytes) else _json(body)  # bytes: negative mode's raw body
     with httpx.stream("POST", url + route, content=content, timeout=timeout_s,
                       headers={"content-type": "application/json"}) as r:
-        if r.headers.get("content-type", "").startswith("text/event-stream"):
+        streamed = r.headers.get("content-type", "").startswith("text/event-stream")
+        if streamed:
             ended = any(line == "data: [DONE]" for line in r.iter_lines())
+            body = b""
         else:
-            r.read()
+            body = r.read()
             ended = True
-    return Reply(r.status_code, ended)
+    return Reply(r.status_code, ended, body, streamed)
+
+
+def error_shape_problem(reply: Reply) -> str | None:
+    """What keeps ``reply`` from being an error in vLLM's ``ErrorResponse`` shape,
+    ``{"error": {"message": str, "type": str, "param": str | None, "code": <the status>}}``
+    (vLLM's ``ErrorInfo``), or None when it has that shape."""
+    if reply.streamed:
+        return "an event stream, not a JSON error"
+    try:
+        document = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        return f"not JSON: {reply.body[:80]!r}"
+    error = document.get("error") if isinstance(document, dict) else None
+    if not isinstance(error, dict):
+        return f"no error object: {reply.body[:80]!r}"
+    wrong = [key for key, kind in (("message", str), ("type", str)) if not isinstance(
+        error.get(key), kind)]
+    if not (error.get("param") is None or isinstance(error.get("param"), str)):
+        wrong.append("param")
+    if error.get("code") != reply.status:
+        wrong.append("code")
+    return f"{', '.join(wrong)} wrong in {reply.body[:120]!r}" if wrong else None
 
 
 def _json(body: Any) -> bytes:

@@ -264,13 +264,14 @@ def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
 def test_schema_fuzzed_requests_get_vllms_status_class(deployment: Deployment) -> None:
     """Requests generated from the OpenAPI document the live decode worker publishes (valid
     and not, tests/openapi_fuzz.py), to a proxy on the live workers and to vLLM itself: the
-    same status class for every one, never a 5xx from the proxy, every answer read to its end
-    within a minute, and nothing left in flight."""
+    same status class for every one, never a 5xx from the proxy, every 4xx from the proxy in
+    vLLM's error shape, every answer read to its end within a minute, and nothing left in
+    flight."""
     from hypothesis import HealthCheck, Phase, given, settings
 
     from stages.serve.proxy import create_app
     from stages.serve.proxy.config import ProxyConfig
-    from tests.openapi_fuzz import ROUTES, request_bodies, send
+    from tests.openapi_fuzz import ROUTES, error_shape_problem, request_bodies, send
 
     vllm = deployment.decode_urls[0]
     openapi = httpx.get(f"{vllm}/openapi.json", timeout=30).json()
@@ -289,6 +290,8 @@ def test_schema_fuzzed_requests_get_vllms_status_class(deployment: Deployment) -
             seen[got.status, want.status] = seen.get((got.status, want.status), 0) + 1
             assert got.status < 500, (got, want)
             assert got.status // 100 == want.status // 100, (got, want)
+            assert got.status // 100 != 4 or error_shape_problem(got) is None, \
+                (error_shape_problem(got), want)
             assert got.ended and want.ended, (got, want)
 
         return same_class
