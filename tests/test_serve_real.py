@@ -562,6 +562,13 @@ def test_proxies_attached_beside_the_deployment_share_its_view_of_every_decode_w
         assert all(sum(unweighed[i]) == 0 for i in steady), unweighed
         assert [_complete(group.url, p) for p in PROMPTS] == [
             deployment.reference[p] for p in PROMPTS]
+        # The attached proxy forwards under the name the workers list in /v1/models (it read
+        # it there, for its self-check too): a request that names no model is served.
+        models = httpx.get(f"{deployment.decode_urls[0]}/v1/models", timeout=10).json()
+        unnamed = httpx.post(f"{group.url}/v1/completions", timeout=120,
+                             json={"prompt": PROMPTS[0], "max_tokens": 1})
+        assert unnamed.status_code == 200, unnamed.text
+        assert unnamed.json()["model"] == models["data"][0]["id"]
         print(f"\n{sum(close)} of {len(samples)} samples ({len(steady)} steady, all of them):"
               f" every proxy within one request of vLLM on every decode worker: {samples};"
               f" others' requests not weighed, per sample and proxy: {unweighed}")
