@@ -32,11 +32,12 @@ class Tally:
     vllm_bad_4xx_shape: int = 0  # vLLM's own, for reference
     class_differs: list[str] = field(default_factory=list)
     not_ended: int = 0
+    transport_errors: list[str] = field(default_factory=list)  # no answer at all
 
     @property
     def ok(self) -> bool:
         return not (self.proxy_5xx or self.bad_4xx_shape or self.class_differs
-                    or self.not_ended)
+                    or self.not_ended or self.transport_errors)
 
     def lines(self) -> list[str]:
         out = [f"{route}: {n} examples" for route, n in self.examples.items()]
@@ -47,9 +48,11 @@ class Tally:
                 f"proxy 4xx: {proxy_4xx}, not in vLLM's error shape: {len(self.bad_4xx_shape)}"
                 f" (vLLM's own 4xx not in it: {self.vllm_bad_4xx_shape})",
                 f"status class differs from vLLM's: {len(self.class_differs)}",
-                f"answers not read to their end: {self.not_ended}"]
+                f"answers not read to their end: {self.not_ended}",
+                f"no answer (connection or timeout): {len(self.transport_errors)}"]
         out += [f"  shape: {s}" for s in self.bad_4xx_shape[:5]]
         out += [f"  class: {s}" for s in self.class_differs[:5]]
+        out += [f"  no answer: {s}" for s in self.transport_errors[:5]]
         return out
 
 
@@ -66,7 +69,13 @@ def fuzz(proxy: str, vllm: str, model: str, examples: int, timeout_s: float = 60
                   suppress_health_check=list(HealthCheck))
         @given(request_bodies(openapi, route, model))
         def one(body: object) -> None:
-            got, want = send(proxy, route, body, timeout_s), send(vllm, route, body, timeout_s)
+            try:
+                got, want = (send(proxy, route, body, timeout_s),
+                             send(vllm, route, body, timeout_s))
+            except httpx.HTTPError as e:
+                # Counted, not raised: the figures cover every example.
+                tally.transport_errors.append(f"{route}: {e!r} for {str(body)[:120]}")
+                return
             tally.examples[route] += 1
             tally.statuses[route, got.status, want.status] += 1
             tally.proxy_5xx += got.status >= 500

@@ -260,8 +260,9 @@ def main() -> int:
         samples += sample(time.monotonic() - t0, serve.pid, ports)
         time.sleep(3)
         state = httpx.get(f"{url}/admin/state", timeout=10).json()
-        fuzzed = (fuzz(url, state["decode_workers"][0]["url"], "tiny", args.fuzz_examples)
-                  if args.fuzz_examples else None)
+        healthy = [w["url"] for w in state["decode_workers"] if w["healthy"]]
+        fuzzed = (fuzz(url, healthy[0], "tiny", args.fuzz_examples)
+                  if args.fuzz_examples and healthy else None)
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=180)
