@@ -73,6 +73,18 @@ def test_the_ledger_leaves_out_blocks_whose_kv_came_from_elsewhere() -> None:
     assert plan.block_snapshots == {external_hash(HASHES[2]): 3}
 
 
+def test_a_prompt_nixl_loaded_inside_vllms_multiconnector_is_left_out_too() -> None:
+    # MultiConnector tells eldr's connector no external tokens: the connector passes the
+    # prompt length it read in the request's do_remote_prefill instead.
+    ledger = SignatureLedger(block_size=4, shape=None, count_decode=False, publish_blocks=True)
+    ledger.track_hashes("r", list(HASHES), remote_prompt_len=6)
+    plan = ledger.plan(_step("r", 5, 1, [1, 2], True, 6))  # vLLM recomputes the last token
+    assert plan.block_snapshots == {}
+    assert ledger.plan(_step("r", 6, 2, [], False, 6)).block_snapshots == {}
+    plan = ledger.plan(_step("r", 8, 4, [3], False, 6))
+    assert plan.block_snapshots == {external_hash(HASHES[2]): 3}
+
+
 def test_the_ledger_asks_for_nothing_unless_publishing() -> None:
     ledger = SignatureLedger(block_size=4, shape=None, count_decode=False)
     ledger.track_hashes("a", list(HASHES))

@@ -200,9 +200,9 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0:
             self._ledger.mark_remote(request.request_id)
         if self._expert_publisher is not None:
-            self._track_hashes(request)
+            self._track_hashes(request, num_external_tokens)
 
-    def _track_hashes(self, request: Request) -> None:
+    def _track_hashes(self, request: Request, num_external_tokens: int) -> None:
         assert self._ledger is not None
         block_size = self._ledger.block_size
         if len(request.block_hashes) != request.num_tokens // block_size:
@@ -214,7 +214,12 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
                     "eldr: expert events are off: vLLM hashes %d blocks for %d tokens, not"
                     " blocks of %d", len(request.block_hashes), request.num_tokens, block_size)
             return
-        self._ledger.track_hashes(request.request_id, request.block_hashes)
+        # Inside vLLM's MultiConnector this connector is told no external tokens even when
+        # NixlConnector loads the prompt: its request parameters say so.
+        params = request.kv_transfer_params or {}
+        remote = num_external_tokens > 0 or bool(params.get("do_remote_prefill"))
+        self._ledger.track_hashes(request.request_id, request.block_hashes,
+                                  request.num_prompt_tokens if remote else 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._ledger is not None

@@ -61,13 +61,17 @@ class SignatureLedger:
         # Expert events: each request's block hashes (vLLM's own list, which it extends as
         # tokens arrive), and the counts of blocks that became full, until published.
         self.publish_blocks = publish_blocks
-        self._hashes: dict[str, list[Any]] = {}
+        # req_id -> (its block hashes, the first block this engine computes whole)
+        self._hashes: dict[str, tuple[list[Any], int]] = {}
         self.stored_blocks: dict[int, np.ndarray] = {}
 
-    def track_hashes(self, req_id: str, block_hashes: list[Any]) -> None:
-        """``block_hashes``: the request's ``Request.block_hashes`` (kept by reference)."""
+    def track_hashes(self, req_id: str, block_hashes: list[Any], remote_prompt_len: int = 0
+                     ) -> None:
+        """``block_hashes``: the request's ``Request.block_hashes`` (kept by reference);
+        ``remote_prompt_len``: prompt tokens whose KV another engine computed (a decode worker's
+        request): the table never saw them, so no block holding one is published."""
         if self.publish_blocks:
-            self._hashes[req_id] = block_hashes
+            self._hashes[req_id] = (block_hashes, -(-remote_prompt_len // self.block_size))
 
     def mark_remote(self, req_id: str) -> None:
         """The request's KV arrives from a prefill instance; there is nothing to sum here."""
@@ -145,10 +149,11 @@ class SignatureLedger:
         self, plan: StepPlan, req_id: str, tracked: _Tracked, start: int, end: int
     ) -> None:
         """Ask for the rows of the blocks that become full in this step, by their hashes."""
-        hashes = self._hashes.get(req_id)
-        if hashes is None:
+        tracked_hashes = self._hashes.get(req_id)
+        if tracked_hashes is None:
             return
-        first = start // self.block_size
+        hashes, first_whole = tracked_hashes
+        first = max(start // self.block_size, first_whole)
         if tracked.remote:
             # The prompt's KV came from elsewhere: the table holds only blocks wholly past it.
             first = max(first, -(-tracked.prompt_len // self.block_size))
