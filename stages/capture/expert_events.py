@@ -73,6 +73,13 @@ def decode_batch(payload: bytes) -> ExpertBatch:
 class ExpertEventPublisher:
     """A worker's expert events (scheduler process), through vLLM's ``ZmqEventPublisher``."""
 
+    # A batch is one step's new blocks: up to a long prefill chunk's worth (8,192 tokens in
+    # blocks of 16 are 3 MiB of counts on a Qwen3-30B-shaped model), so the replay buffer and
+    # each subscriber's send queue keep far fewer batches than vLLM's KV events do (10,000 and
+    # 100,000). A gap past the buffer only leaves blocks unknown to the proxy that missed it.
+    REPLAY_BATCHES = 128
+    QUEUED_BATCHES = 1_000
+
     def __init__(self, endpoint: str) -> None:
         from vllm.distributed.kv_events import ZmqEventPublisher
 
@@ -80,7 +87,8 @@ class ExpertEventPublisher:
 
         self.endpoint = endpoint
         self._publisher = ZmqEventPublisher(
-            0, endpoint=endpoint, replay_endpoint=replay_endpoint(endpoint), topic=TOPIC)
+            0, endpoint=endpoint, replay_endpoint=replay_endpoint(endpoint), topic=TOPIC,
+            buffer_steps=self.REPLAY_BATCHES, hwm=self.QUEUED_BATCHES)
 
     def publish(self, blocks: dict[int, np.ndarray]) -> None:
         """Queue one batch (hash -> ``[L, E]`` counts); the publisher's thread sends it."""
