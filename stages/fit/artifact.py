@@ -4,7 +4,8 @@ Layout under ``root``::
 
     <version>/manifest.json   identity, dataset hash, params, metrics, array shapes, content hash,
                               provenance (versions, command: outside the hash)
-    <version>/arrays.npz      centroids float32 [K, D], idf float32 [L, E], layer_mask bool [L]
+    <version>/arrays.npz      centroids float32 [K, D], idf float32 [L, E], layer_mask bool [L],
+                              optionally the token predictor's (``token_predictor.*``)
     latest                    text file: the version serve uses by default
 
 ``version`` is the first 12 hex digits of a SHA-256 over everything that defines the fit (the
@@ -13,6 +14,11 @@ fit saved twice is one version. A version directory is written under a temporary
 renamed into place, and ``latest`` is replaced atomically, so readers never see half an
 artifact. Loading never unpickles (``allow_pickle=False``), re-checks the content hash and
 validates every shape; any problem is an ``EldrError`` naming the artifact.
+
+The token predictor (``stages.signature.token_predictor``: a prompt's signature at arrival) is
+an optional, versioned entry: a manifest key ``token_predictor`` (its format and sizes) and its
+arrays, both inside the hash. A fit without one has exactly the content, hence the version and
+bytes, it had before the entry existed, and artifacts saved before it load with no predictor.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.signature.dataset import ModelIdentity
+from stages.signature.token_predictor import ARRAY_NAMES as PREDICTOR_ARRAYS
+from stages.signature.token_predictor import TokenPredictor
 from stages.signature.transform import SignatureTransform
 
 SCHEMA_VERSION = 1
@@ -43,6 +51,11 @@ LATEST = "latest"
 _VERSION_RE = re.compile(r"^[0-9a-f]{12}$")
 _CONTENT_KEYS = ("schema", "identity", "dataset_hash", "params", "metrics", "arrays")
 _ARRAY_DTYPES = {"centroids": np.float32, "idf": np.float32, "layer_mask": np.bool_}
+# The optional token predictor: its manifest key, the one format this eldr reads, its arrays'
+# prefix in arrays.npz.
+PREDICTOR_KEY = "token_predictor"
+PREDICTOR_FORMAT = 1
+_PREDICTOR_PREFIX = f"{PREDICTOR_KEY}."
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +70,8 @@ class Artifact:
     created: str  # ISO 8601, UTC
     # What produced it (stages.provenance.KEYS): stored beside the content, not hashed.
     provenance: dict[str, Any] = field(default_factory=dict)
+    # A prompt's signature at arrival; None in fits without one (and those saved before it).
+    token_predictor: TokenPredictor | None = None
 
     @property
     def num_clusters(self) -> int:
@@ -148,6 +163,7 @@ class ArtifactStore:
         metrics: dict[str, Any],
         provenance: dict[str, Any] | None = None,
         set_latest: bool = True,
+        token_predictor: TokenPredictor | None = None,
     ) -> str:
         """Write a new version (or find the identical existing one); return its version.
 
@@ -161,7 +177,7 @@ class ArtifactStore:
             "layer_mask": np.ascontiguousarray(transform.layer_mask, dtype=np.bool_),
         }
         _check_arrays(arrays, identity, where="refusing to save an artifact")
-        content = {
+        content: dict[str, Any] = {
             "schema": SCHEMA_VERSION,
             "identity": identity.to_dict(),
             "dataset_hash": str(dataset_hash),
@@ -171,6 +187,18 @@ class ArtifactStore:
                 n: {"dtype": str(a.dtype), "shape": list(a.shape)} for n, a in arrays.items()
             },
         }
+        if token_predictor is not None:
+            if token_predictor.shape != identity.shape:
+                raise EldrError(
+                    f"refusing to save an artifact: its token predictor is for"
+                    f" {token_predictor.shape} experts, the model's are {identity.shape}"
+                )
+            content[PREDICTOR_KEY] = {
+                "format": PREDICTOR_FORMAT,
+                "tokens": len(token_predictor.token_ids),
+                "rank": token_predictor.rank,
+            }
+            arrays.update({_PREDICTOR_PREFIX + n: a for n, a in token_predictor.arrays().items()})
         digest = _content_hash(content, arrays)
         version = digest[:12]
         target = self.root / version
@@ -256,6 +284,8 @@ class ArtifactStore:
         try:
             identity = ModelIdentity.from_dict(manifest["identity"])
             content = {key: manifest[key] for key in _CONTENT_KEYS}
+            if PREDICTOR_KEY in manifest:
+                content[PREDICTOR_KEY] = manifest[PREDICTOR_KEY]
             provenance = manifest.get("provenance") or {}
             # Artifacts saved before versions were byte-for-byte the same stored the time.
             created = str(manifest.get("created") or self._saved_at(version))
@@ -268,7 +298,20 @@ class ArtifactStore:
                 f"artifact {version} has schema {content['schema']}, this eldr reads "
                 f"{SCHEMA_VERSION}; refit with `eldr fit`"
             )
-        arrays = self._read_arrays(version, damaged)
+        predictor_entry = content.get(PREDICTOR_KEY)
+        if predictor_entry is not None and (
+            not isinstance(predictor_entry, dict)
+            or predictor_entry.get("format") != PREDICTOR_FORMAT
+        ):
+            raise EldrError(
+                f"artifact {version} has a token predictor this eldr cannot read (format"
+                f" {predictor_entry!r}, this eldr reads {PREDICTOR_FORMAT}); refit with"
+                " `eldr fit`"
+            )
+        optional = (
+            tuple(_PREDICTOR_PREFIX + n for n in PREDICTOR_ARRAYS) if predictor_entry else ()
+        )
+        arrays = self._read_arrays(version, damaged, optional)
         _check_arrays(arrays, identity, where=damaged)
         if _content_hash(content, arrays)[:12] != version:
             raise EldrError(f"{damaged}: its content no longer matches its version hash")
@@ -276,6 +319,15 @@ class ArtifactStore:
             transform = SignatureTransform(idf=arrays["idf"], layer_mask=arrays["layer_mask"])
         except ValueError as exc:
             raise EldrError(f"{damaged}: {exc}") from exc
+        token_predictor = None
+        if predictor_entry:
+            try:
+                token_predictor = TokenPredictor.from_arrays(
+                    {n: arrays[_PREDICTOR_PREFIX + n] for n in PREDICTOR_ARRAYS},
+                    identity.shape,
+                )
+            except ValueError as exc:
+                raise EldrError(f"{damaged}: its token predictor: {exc}") from exc
         centroids = arrays["centroids"]
         centroids.setflags(write=False)
         return Artifact(
@@ -288,6 +340,7 @@ class ArtifactStore:
             metrics=content["metrics"],
             created=created,
             provenance=provenance if isinstance(provenance, dict) else {},
+            token_predictor=token_predictor,
         )
 
     def _saved_at(self, version: str) -> str:
@@ -325,14 +378,17 @@ class ArtifactStore:
             latest=version == latest,
         )
 
-    def _read_arrays(self, version: str, damaged: str) -> dict[str, np.ndarray]:
+    def _read_arrays(
+        self, version: str, damaged: str, optional: tuple[str, ...] = ()
+    ) -> dict[str, np.ndarray]:
+        """The required arrays and the ``optional`` ones the manifest declares."""
         path = self.root / version / ARRAYS
         try:
             with np.load(path, allow_pickle=False) as npz:
-                missing = set(_ARRAY_DTYPES) - set(npz.files)
+                missing = (set(_ARRAY_DTYPES) | set(optional)) - set(npz.files)
                 if missing:
                     raise EldrError(f"{damaged}: {ARRAYS} lacks {sorted(missing)}")
-                return {name: npz[name] for name in _ARRAY_DTYPES}
+                return {name: npz[name] for name in (*_ARRAY_DTYPES, *optional)}
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             raise EldrError(f"{damaged}: cannot read {ARRAYS}: {exc}") from exc
 

@@ -25,7 +25,7 @@ measures how far the assumption holds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
@@ -64,9 +64,16 @@ class CrossFit:
     # when the folds and the reference found the same clusters.
     agreement: float
 
+    # Per named query (``Queries``), each request labelled by the same out-of-fold clustering
+    # from another signature of it (e.g. its signature at arrival, before prefill).
+    query_labels: dict[str, np.ndarray] = field(default_factory=dict)
+
 
 # The clustering fit on the given rows of the dataset, as ``eldr fit`` fits the artifact.
 FitRows = Callable[[np.ndarray], Clustering]
+# (train rows, test rows) -> named ``[len(test), L, E]`` signatures of the test rows, made
+# from the train rows alone (a predictor fit on them).
+Queries = Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]
 
 
 def fold_of(n: int, folds: int, seed: int) -> np.ndarray:
@@ -107,14 +114,17 @@ def cross_fit_labels(
     seed: int,
     fit: FitRows,
     progress: Callable[[str], None] | None = None,
+    queries: Queries | None = None,
 ) -> CrossFit:
     """Every request of ``prefill`` (``[n, L, E]``) labelled by a clustering fit (``fit``) on
-    the other folds, in ``reference``'s cluster ids."""
+    the other folds, in ``reference``'s cluster ids; with ``queries``, also by each of the
+    signatures they make of it (same folds, same clusterings)."""
     say = progress or (lambda _msg: None)
     n = len(prefill)
     fold = fold_of(n, folds, seed)
     reference_x = reference.transform.apply(prefill)
     labels = np.empty(n, np.int64)
+    query_labels: dict[str, np.ndarray] = {}
     for f in range(folds):
         train, test = np.flatnonzero(fold != f), np.flatnonzero(fold == f)
         say(f"cross-fit fold {f + 1} of {folds}: fitting on {len(train)} requests, labelling"
@@ -132,5 +142,8 @@ def cross_fit_labels(
             clustering.kmeans.labels, reference_x[train], reference.centroids
         )
         labels[test] = renamed[clustering.nearest(prefill[test])]
+        for name, signatures in (queries(train, test) if queries else {}).items():
+            named = query_labels.setdefault(name, np.empty(n, np.int64))
+            named[test] = renamed[clustering.nearest(signatures)]
     agreement = float(np.mean(labels == nearest_centroid(reference_x, reference.centroids)))
-    return CrossFit(labels=labels, folds=folds, agreement=agreement)
+    return CrossFit(labels=labels, folds=folds, agreement=agreement, query_labels=query_labels)

@@ -11,6 +11,14 @@ from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
 from stages.fit.dial import DialRunner
 from stages.fit.pipeline import FitConfig, fit_artifact
+from stages.fit.prompt_tokens import PromptTokens, model_encoder, prompt_texts, prompt_tokens
+from stages.signature.dataset import SignatureArrays, SignatureDataset
+
+
+def dataset_prompt_tokens(dataset: SignatureDataset, arrays: SignatureArrays) -> PromptTokens:
+    """Every row's prefilled token ids, or why they are unknown (no text, no tokenizer)."""
+    texts = prompt_texts(arrays, dataset.traffic()["prompt"])
+    return prompt_tokens(arrays, texts, partial(model_encoder, dataset.identity.name))
 
 
 def fit_dataset(data: Path, store: Path, config: FitConfig, cost: str, plot: bool,
@@ -23,7 +31,6 @@ def fit_dataset(data: Path, store: Path, config: FitConfig, cost: str, plot: boo
     from stages.fit.fit_plot import plot_fit
     from stages.fit.gain_report import gain_lines
     from stages.routing.cost_model import cost_model_for
-    from stages.signature.dataset import SignatureDataset
 
     k = config.k
     dataset = SignatureDataset.open(data)
@@ -50,6 +57,7 @@ def fit_dataset(data: Path, store: Path, config: FitConfig, cost: str, plot: boo
         arrays.prefill_counts, arrays.decode_counts, identity, dataset.content_hash(), config,
         artifact_store, progress=echo, cost=step_cost,
         dial=None if dial is None else partial(dial, arrays),
+        prompt_tokens=dataset_prompt_tokens(dataset, arrays),
     )
     echo(f"artifact {artifact.version} saved in {artifact_store.root} (now 'latest')")
     for key, value in artifact.metrics.items():

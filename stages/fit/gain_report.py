@@ -49,6 +49,39 @@ def gain_lines(gain: dict[str, Any], k: int) -> list[str]:
         lines.append(line + f"  {_WORDS[row['verdict']]}")
     lines += _stability_note(gain, k)
     lines.append(verdict_line(gain))
+    if "arrival" in gain:  # fits since the token predictor (``stages.fit.arrival_gain``)
+        lines += arrival_lines(gain["arrival"])
+    return lines
+
+
+def arrival_lines(arrival: dict[str, Any]) -> list[str]:
+    """The gain kept by a signature made at arrival: a row per batch size, the two ends (no
+    cached prefix, all of it cached, i.e. the prefill signature) measured."""
+    if "skipped" in arrival:
+        return [f"signature at arrival: not measured: {arrival['skipped']}"]
+    predictor = arrival["predictor"]
+    lines = [
+        "signature at arrival (token predictor: per-token mean routing over"
+        f" {predictor['tokens']} tokens, leave-one-out R^2 {predictor['loo_r2']:.2f};"
+        " cross-fitted, the predictor fit without the request), change in distinct"
+        " experts/layer/step:",
+        f"  {'batch':>5}  {'after prefill':>13}  {'arrival, nothing cached':>23}  {'kept':>5}",
+    ]
+    for row in arrival["batches"]:
+        if "skipped" in row:
+            lines.append(f"  {row['batch_size']:>5}  not estimated: {row['skipped']}")
+            continue
+        kept = f"{row['kept']:.0%}" if "kept" in row else "-"
+        lines.append(
+            f"  {row['batch_size']:>5}  {row['prefill_change']:>+13.1%}"
+            f"  {row['arrival_change']:>+23.1%}  {kept:>5}"
+        )
+    lines.append(
+        f"  {arrival['label_agreement']:.0%} of requests land in their prefill signature's"
+        " cluster; with a cached prefix (exact counts) the arrival signature lies between the"
+        " two columns: the capture holds whole-prompt counts only, so no prefix split is"
+        " measured"
+    )
     return lines
 
 

@@ -22,11 +22,14 @@ from typing import Any
 import numpy as np
 
 from stages.errors import EldrError
+from stages.fit.arrival_gain import arrival_gain, arrival_queries
 from stages.fit.artifact import Artifact, ArtifactStore
-from stages.fit.cross_fit import Clustering, CrossFit, cross_fit_labels
+from stages.fit.cross_fit import Clustering, CrossFit, Queries, cross_fit_labels
 from stages.fit.dial import DialHook, DialInput
 from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain, gain_from_labels
 from stages.fit.kmeans import balanced_spherical_kmeans
+from stages.fit.prompt_tokens import PromptTokens
+from stages.fit.token_fit import fit_token_predictor
 from stages.provenance import command_line, provenance
 from stages.signature.dataset import ModelIdentity
 from stages.signature.inclusion import inclusion_log_complement
@@ -75,12 +78,16 @@ def fit_artifact(
     progress: Callable[[str], None] | None = None,
     cost: StepTimeModel | None = None,
     dial: DialHook | None = None,
+    prompt_tokens: PromptTokens | None = None,
 ) -> Artifact:
     """Fit transform + (balanced) spherical k-means, save the artifact, return it as loaded.
 
     ``cost`` turns the per-step distinct-expert estimate into a TPOT change; without it only
     the expert counts are estimated. ``dial`` places the data on the locality dial; what it
-    returns is stored as the metrics' ``dial``.
+    returns is stored as the metrics' ``dial``. ``prompt_tokens``, every request's prefilled
+    token ids: a token predictor is fit and stored, and the share of the gain a signature made
+    at arrival keeps is estimated (``stages.fit.arrival_gain``) into the gain's ``arrival``;
+    without the ids (their ``missing`` says why) the gain's ``arrival`` says that.
     """
     say = progress or (lambda _msg: None)
     prefill, decode = _checked_counts(prefill_counts, decode_counts, identity)
@@ -96,7 +103,11 @@ def fit_artifact(
     profiles = step_profiles(prefill, decode, identity)  # every request's, held-out ones too
     say(f"per-step gain: {config.folds}-fold cross-fit over all {len(prefill)} requests,"
         f" batch sizes {list(config.gain.batch_sizes)}")
-    crossed = cross_fit(prefill, decode, fitted, config, say)
+    tokens = None if prompt_tokens is None else prompt_tokens.tokens
+    if tokens is not None and len(tokens) != len(prefill):
+        raise ValueError(f"{len(tokens)} prompts' tokens for {len(prefill)} signatures")
+    crossed = cross_fit(prefill, decode, fitted, config, say,
+                        queries=None if tokens is None else arrival_queries(tokens, prefill))
     metrics: dict[str, Any] = {
         "cluster_sizes": np.bincount(km.labels, minlength=config.k).tolist(),
         "mean_within_cluster_cosine": km.objective / len(train),
@@ -119,6 +130,16 @@ def fit_artifact(
             len(train), config.k, km.objective / len(train), config.holdout_fraction
         ),
     }
+    token_fit = None
+    if tokens is not None:
+        say(f"token predictor: fitting on all {len(tokens)} prompts' tokens")
+        token_fit = fit_token_predictor(tokens, prefill)
+        metrics["expected_gain"]["arrival"] = arrival_gain(
+            crossed, profiles, identity.num_layers, config.k, config.gain, config.seed + 2,
+            cost, token_fit,
+        )
+    elif prompt_tokens is not None:
+        metrics["expected_gain"]["arrival"] = {"skipped": prompt_tokens.missing}
     if dial is not None:
         # Before the save: the metrics are part of the artifact's content hash.
         metrics["dial"] = dial(DialInput(
@@ -138,6 +159,7 @@ def fit_artifact(
         params=params,
         metrics=metrics,
         provenance=fit_provenance(),  # what `eldr report` shows as the command and versions
+        token_predictor=None if token_fit is None else token_fit.predictor,
     )
     say(f"saved artifact {version} in {store.root}")
     return store.load(version)
@@ -190,13 +212,15 @@ def cross_fit(
     reference: Clustering,
     config: FitConfig,
     progress: Callable[[str], None] | None = None,
+    queries: Queries | None = None,
 ) -> CrossFit:
     """Every request labelled by a clustering fit as ``fit_clustering`` fits the artifact, on
-    the other folds, and named by ``reference``'s (the artifact's) clusters."""
+    the other folds, and named by ``reference``'s (the artifact's) clusters; ``queries``: see
+    ``cross_fit_labels``."""
     return cross_fit_labels(
         prefill, reference, config.folds, config.seed,
         fit=lambda rows: fit_clustering(prefill[rows], decode[rows], config),
-        progress=progress,
+        progress=progress, queries=queries,
     )
 
 
