@@ -262,8 +262,14 @@ def test_a_prompt_it_cannot_reproduce_is_routed_without_kv(kv_proxy) -> None:
         "eldr_kv_prompt_tokens_total", {"leg": "prefill"}) in (None, 0.0)
 
 
+def _local_prefill(client: httpx.Client) -> None:
+    assert client.post("/admin/policy", json={"policy": "eldr-kv",
+                                              "config": {"local_prefill_below": 512}}).is_success
+
+
 def test_a_decode_worker_holding_nearly_all_the_prompt_prefills_it_itself(kv_proxy) -> None:
     state, behaviors, client = kv_proxy
+    _local_prefill(client)
     kv = state.kv
     history = "The committee reviewed the annual report on water quality. " * 30
     prompt = history + "What changed since last year?"
@@ -286,6 +292,7 @@ def test_a_decode_worker_holding_nearly_all_the_prompt_prefills_it_itself(kv_pro
 
 def test_a_local_prefill_that_fails_takes_the_pd_path(kv_proxy) -> None:
     state, behaviors, client = kv_proxy
+    _local_prefill(client)
     kv = state.kv
     prompt = "The committee reviewed the annual report on water quality. " * 30
     hashes = BlockHasher().hashes(kv.tokenizer.completion({"prompt": prompt}), 32)

@@ -85,6 +85,7 @@ def test_a_decode_worker_holding_the_history_prefills_the_new_turn_itself() -> N
     request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL, prompt_tokens=2000,
                              cached_tokens=np.array([0, 1792, 0]), output_tokens=64)
     # 208 tokens to compute where it is, against a remote prefill of them and their pull.
+    policy = _policy(local_prefill_below=512)
     assert policy.choose_local(request, _prefill(cached=1536)) == 1
     # Lacking more than the cap: the PD path.
     capped = _policy(local_prefill_below=128)
@@ -92,10 +93,9 @@ def test_a_decode_worker_holding_the_history_prefills_the_new_turn_itself() -> N
     # A busy batch pays for the stall: the PD path.
     busy = request._replace(loads=np.array([0, 30, 0]))
     assert policy.choose_local(busy, _prefill(cached=1536)) is None
-    off = _policy(local_prefill_below=0)
-    assert off.choose_local(request, _prefill(cached=1536)) is None
+    assert _policy().choose_local(request, _prefill(cached=1536)) is None  # off by default
 
 
 def test_local_prefill_needs_to_know_the_kv() -> None:
     request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL)
-    assert _policy().choose_local(request, _prefill(cached=0)) is None
+    assert _policy(local_prefill_below=512).choose_local(request, _prefill(cached=0)) is None

@@ -96,6 +96,7 @@ class _Decoder:
     steps_done: int = 0
     batch: int = 0
     busy: bool = False
+    stall_s: float = 0.0  # local prefill its next step also computes
 
 
 @dataclass(frozen=True)
@@ -169,11 +170,13 @@ class _Run:
         self.arrival[r] = t
         prompt = self.turns.prompts[r]
         cached = self._cached_tokens(self.prefill_caches, r)
+        prefill = PrefillRequest(self.prefill_loads.copy(), self.prefill_eligible,
+                                 int(prompt.size), cached, self.prefill_queued.copy())
+        if self.local(r, t, prefill):
+            return
         chosen = None
         if self.choose_prefill is not None:
-            chosen = self.choose_prefill(PrefillRequest(
-                self.prefill_loads.copy(), self.prefill_eligible, int(prompt.size), cached,
-                self.prefill_queued.copy()))
+            chosen = self.choose_prefill(prefill)
         if chosen is None:
             key = prompt[:PREFIX_HASH_TOKENS].astype(np.int32).tobytes()
             chosen = self.ring.choose(key, self.prefill_loads, self.prefill_eligible)
@@ -188,6 +191,28 @@ class _Run:
         end = max(t, float(self.prefill_free[w])) + float(self.cfg.cost.prefill_time(uncached))
         self.prefill_free[w] = end
         self._push(end, _PREFILL_END, r)
+
+    def local(self, r: int, t: float, prefill: PrefillRequest) -> bool:
+        """Conditional disaggregation: the policy's decode worker prefills the turn itself
+        (``choose_local``): its next step also computes the tokens it lacks, which holds up
+        the batch beside it for that long; no prefill worker, no pull."""
+        prompt_tokens = int(self.turns.prompts[r].size)
+        cached = self._cached_tokens([d.cache for d in self.decoders], r)
+        request = RoutingRequest(self.decode_loads.copy(), self.decode_eligible,
+                                 prompt_tokens=prompt_tokens, cached_tokens=cached,
+                                 output_tokens=int(self.turns.answers[r].size))
+        w = self.policy.choose_local(request, prefill)
+        if w is None:
+            return False
+        self.policy.on_dispatch(int(w), request, r)
+        self.decode_loads[w] += 1
+        self.worker[r] = w
+        dec = self.decoders[w]
+        dec.stall_s += self.cfg.cost.prefill_per_token_s * (prompt_tokens - int(cached[w]))
+        dec.queue.append(r)
+        if not dec.busy:
+            self.start_step(w, t)
+        return True
 
     def prefill_end(self, r: int, t: float) -> None:
         w = int(self.prefill_of[r])
@@ -242,8 +267,9 @@ class _Run:
         self.distinct.append(distinct)
         c = self.work
         dec.busy = True
-        self._push(t + self.step_fixed + c.per_token_s * dec.batch + c.per_expert_s * distinct,
-                   _STEP_END, w)
+        stall, dec.stall_s = dec.stall_s, 0.0
+        self._push(t + stall + self.step_fixed + c.per_token_s * dec.batch
+                   + c.per_expert_s * distinct, _STEP_END, w)
 
     def step_end(self, w: int, t: float) -> None:
         dec = self.decoders[w]
@@ -292,9 +318,15 @@ def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
     metrics |= ttft_by_turn(table.ttft_s, turns.turn, table.success)
     metrics["ttft_later_round_spread_ms"] = float("nan")  # one run: no rounds to spread over
     total_prompt = float(prompt.sum())
-    metrics["prefill_hit_share"] = share(float(outcome.prefill_cached.sum()), total_prompt)
-    cached = np.bincount(outcome.prefill_worker, outcome.prefill_cached, num_prefill)
-    queried = np.bincount(outcome.prefill_worker, prompt, num_prefill)
+    # What the prefill workers' counters see: the turns they prefilled (not the ones a decode
+    # worker prefilled itself, ``choose_local``).
+    remote = outcome.prefill_worker >= 0
+    metrics["prefill_hit_share"] = share(float(outcome.prefill_cached[remote].sum()),
+                                         float(prompt[remote].sum()))
+    metrics["local_prefill_share"] = float(1.0 - remote.mean()) if n else float("nan")
+    cached = np.bincount(outcome.prefill_worker[remote], outcome.prefill_cached[remote],
+                         num_prefill)
+    queried = np.bincount(outcome.prefill_worker[remote], prompt[remote], num_prefill)
     metrics["prefill_hit_share_by_worker"] = [share(float(c), float(q))
                                               for c, q in zip(cached, queried, strict=True)]
     metrics["decode_kv_pulled_tokens"] = float(outcome.decode_pulled.sum())

@@ -43,9 +43,11 @@ from stages.routing.scorers.prefill_queue import prefill_ready_s
 
 # When a request sets no max_tokens: what a chat answer runs to, roughly.
 DEFAULT_OUTPUT_TOKENS = 256
-# The most a decode worker's batch is held up by a local prefill: vLLM's default chunk of
-# prefill tokens a step on GPUs; the objective decides below it.
-DEFAULT_LOCAL_PREFILL_BELOW = 512
+# Off by default: simulated 8P16D (GPU-like cost, conversations), a cap of 512 moved 37% of the
+# turns to their decode worker at 4 conversations/s: TTFT p50 of later turns 0.89x, but their
+# p99 1.23x and TPOT p99 1.04x (local prefills pile up on a worker's next step); at 10 and 16
+# conversations/s under 5% went local and nothing moved (docs/results.md).
+DEFAULT_LOCAL_PREFILL_BELOW = 0
 
 
 @dataclass(frozen=True)
@@ -107,37 +109,50 @@ class EldrKvPolicy(EldrUnionPolicy):
         cap = self.params.local_prefill_below
         if cap <= 0 or request.cached_tokens is None or request.prompt_tokens <= 0:
             return None
-        worker = self.choose(request)
-        lacking = max(request.prompt_tokens - int(request.cached_tokens[worker]), 0)
-        if lacking >= cap:
+        stay = self._decode_seconds(request)
+        if stay is None:
             return None
         cost = self._costs()
-        local = (int(request.loads[worker]) + 1) * cost.prefill_per_token_s * lacking
+        lacking = np.maximum(request.prompt_tokens - request.cached_tokens, 0)
+        # Local: the worker's batch (the request and those running there) waits while it
+        # computes what it lacks. Remote: the best prefill worker has the KV ready, then the
+        # decode worker pulls what it lacks; the decode worker is chosen again after prefill.
+        local = stay + (request.loads + 1) * cost.prefill_per_token_s * lacking
+        local[lacking >= cap] = np.inf
         ready = prefill_ready_s(prefill.prompt_tokens, prefill.cached_tokens,
                                 prefill.queued_tokens, prefill.loads, cost)
         ready[~prefill.eligible] = np.inf
-        remote = float(ready.min()) + cost.kv_transfer_per_token_s * lacking
-        return worker if local < remote else None
+        remote = stay + cost.kv_transfer_per_token_s * lacking + float(ready.min())
+        worker = _cheapest(local, request.eligible, self.rng)
+        return worker if local[worker] < remote[request.eligible].min() else None
 
     # --- decode ---
 
     def choose(self, request: RoutingRequest) -> int:
+        total = self._decode_seconds(request)
+        if total is None:  # every healthy worker full: the shortest queue drains first
+            return super().choose(request)
+        total += kv_pull_s(request.prompt_tokens, request.cached_tokens,
+                           self._costs().kv_transfer_per_token_s)
+        return _cheapest(total, request.eligible, self.rng)
+
+    def _decode_seconds(self, request: RoutingRequest) -> np.ndarray | None:
+        """[W] seconds the request adds over its decode on each worker (inf where a filter
+        keeps it off), the KV pull left out; None when every healthy worker is full."""
         loads, eligible = request.loads, request.eligible
         tokens = request.output_tokens or self.params.output_tokens
         pi = self._predict(request)
         total = self._total
         if pi is not None:
             ties, _ = self._score(request, pi, self.params.load_slack)
-            if ties == 0:  # every healthy worker full: the shortest queue drains first
-                return super().choose(request)
+            if ties == 0:
+                return None
             np.multiply(self._latency, tokens, out=total)
         else:
             # Experts unknown: any constant count shifts every worker's step alike.
             total[:] = tokens * added_step_s(loads, self._costs(), distinct=0.0)
             total[~self._admits(loads, eligible)] = np.inf
-        total += kv_pull_s(request.prompt_tokens, request.cached_tokens,
-                           self._costs().kv_transfer_per_token_s)
-        return _cheapest(total, eligible, self.rng)
+        return total
 
     def _admits(self, loads: np.ndarray, eligible: np.ndarray) -> np.ndarray:
         """eldr-union's filters for a request without a signature."""
