@@ -105,6 +105,8 @@ def test_predict_signature_adds_the_cached_prefix_to_the_predicted_rest() -> Non
         predictor.predict_signature(prompt, None, 4)
     with pytest.raises(ValueError, match="cached counts"):
         predictor.predict_signature(prompt, np.zeros((3, EXPERTS)), 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        predictor.predict_counts(np.array([3, -1]))
 
 
 def small_predictor(identity: ModelIdentity) -> TokenPredictor:

@@ -40,6 +40,15 @@ def test_the_bundled_capture_gives_a_gain_whose_interval_excludes_zero(home: Pat
         assert row["same_cluster_batches"] >= 1000 and row["random_batches"] >= 1000
     assert gain["verdict"] == "gain"
     assert "verdict: expected gain" in out
+    # Every captured prompt is found in the bundled file by id and sha256, and the tiny
+    # model's tokenizer makes the token counts vLLM prefilled: the arrival figure is measured.
+    arrival = gain["arrival"]
+    assert "skipped" not in arrival, arrival
+    assert [r["batch_size"] for r in arrival["batches"]] == [r["batch_size"]
+                                                              for r in gain["batches"]]
+    assert all("arrival_change" in r for r in arrival["batches"] if "change" in r)
+    assert "signature at arrival (token predictor" in out
+    assert ArtifactStore(home / "artifacts").load().token_predictor is not None
 
 
 def test_the_bundled_capture_with_shuffled_decode_profiles_gives_none(
