@@ -96,7 +96,7 @@ def test_the_policies_that_need_the_check_come_from_the_registry() -> None:
     from stages.routing.policies import POLICIES, reads_signatures
 
     readers = {n for n in POLICIES if reads_signatures(n)}
-    assert readers == {"eldr", "eldr-bl", "eldr-union"}
+    assert readers == {"eldr", "eldr-bl", "eldr-union", "eldr-kv"}
     assert all(POLICIES[n].uses_signature or POLICIES[n].uses_counts for n in readers)
 
 
