@@ -299,3 +299,20 @@ def test_fit_says_why_it_has_no_arrival_figure(tmp_path: Path) -> None:
     assert ("signature at arrival: not measured: 200 of 200 requests have no prompt text"
             in result.output)
     assert ArtifactStore(tmp_path / "a").load().token_predictor is None
+
+
+def test_a_wide_fit_factors_its_offsets_without_forming_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The randomized SVD (wide models) finds the exact SVD's top factors."""
+    from stages.fit import token_fit
+
+    routing = token_routing()
+    train = topical_prompts(200, seed=6)
+    counts = np.stack([routing[p].sum(axis=0) for p in train])
+    exact = fit_token_predictor(train, counts, max_rank=6).predictor
+    monkeypatch.setattr(token_fit, "_EXACT_SVD_ENTRIES", 0)
+    sketched = fit_token_predictor(train, counts, max_rank=6).predictor
+    for prompt in topical_prompts(20, seed=7):
+        assert np.allclose(sketched.predict_counts(prompt), exact.predict_counts(prompt),
+                           atol=1e-3 * len(prompt))

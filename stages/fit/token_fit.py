@@ -25,6 +25,11 @@ from stages.signature.token_predictor import TokenPredictor
 MAX_RANK = 64
 # Ridge strengths tried, as multiples of the mean eigenvalue of X X^T.
 _RIDGE_GRID = np.logspace(-4, 1, 16)
+# Offsets up to this many entries are factored exactly; larger ones by a randomized SVD with
+# this oversampling and these power iterations (Halko, Martinsson, Tropp 2011).
+_EXACT_SVD_ENTRIES = 4_000_000
+_OVERSAMPLE = 10
+_POWER_ITERATIONS = 2
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,21 +74,48 @@ def fit_token_predictor(
     eigvals, eigvecs = np.linalg.eigh(gram)
     eigvals = np.maximum(eigvals, 0.0)
     projected = eigvecs.T @ residual
-    ridge, loo_error = _loo_ridge(eigvals, eigvecs, projected, residual)
+    if residual.shape[1] > residual.shape[0]:
+        # Wide models (L*E above N): the leave-one-out error is a sum of squared row norms,
+        # which an orthonormal change of columns keeps, so the residual's N-dim row space
+        # carries it: the grid search then costs N^3 per strength, not N^2 L*E.
+        _, triangle = np.linalg.qr(residual.T)
+        ridge, loo_error = _loo_ridge(eigvals, eigvecs, eigvecs.T @ triangle.T, triangle.T)
+    else:
+        ridge, loo_error = _loo_ridge(eigvals, eigvecs, projected, residual)
     dual = eigvecs @ (projected / (eigvals + ridge)[:, None])
-    offsets = np.asarray(bag.T @ dual)  # [T, L*E]
-    rank = max(1, min(max_rank, offsets.shape[0], offsets.shape[1]))
-    left, singular, right = np.linalg.svd(offsets, full_matrices=False)
+    factors, basis = _low_rank(bag, dual, max(1, min(max_rank, len(vocab), y.shape[1])))
     predictor = TokenPredictor(
         token_ids=vocab.astype(np.int32),
-        factors=(left[:, :rank] * singular[:rank]).astype(np.float32),
-        basis=right[:rank].astype(np.float32),
+        factors=factors.astype(np.float32),
+        basis=basis.astype(np.float32),
         mean=mean.astype(np.float32),
         shape=shape,
     )
     total = float((residual**2).sum())
     loo_r2 = 1.0 - loo_error / total if total > 0 else 0.0
     return TokenFit(predictor=predictor, ridge=ridge, loo_r2=loo_r2)
+
+
+def _low_rank(bag: sparse.csr_matrix, dual: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """``([T, rank], [rank, L*E])``: the top singular factors of the offsets ``bag.T @ dual``.
+
+    Exact while the offsets are small; for a wide model's tens of thousands of tokens by
+    thousands of experts (gigabytes dense) a seeded randomized SVD, which only multiplies by
+    ``bag`` and ``dual`` and so never forms them.
+    """
+    tokens, width = bag.shape[1], dual.shape[1]
+    if tokens * width <= _EXACT_SVD_ENTRIES:
+        left, singular, right = np.linalg.svd(np.asarray(bag.T @ dual), full_matrices=False)
+        return left[:, :rank] * singular[:rank], right[:rank]
+    rng = np.random.default_rng(0)  # seeded: the same fit, the same artifact bytes
+    sketch = np.asarray(bag.T @ (dual @ rng.standard_normal((width, rank + _OVERSAMPLE))))
+    for _ in range(_POWER_ITERATIONS):
+        sketch, _ = np.linalg.qr(sketch)
+        sketch = np.asarray(bag.T @ (dual @ (dual.T @ np.asarray(bag @ sketch))))
+    basis_left, _ = np.linalg.qr(sketch)
+    small = np.asarray(bag @ basis_left).T @ dual  # [rank + oversample, L*E]
+    left, singular, right = np.linalg.svd(small, full_matrices=False)
+    return (basis_left @ left[:, :rank]) * singular[:rank], right[:rank]
 
 
 def _loo_ridge(
