@@ -288,7 +288,7 @@ def test_without_the_check_no_policy_that_reads_signatures_may_run() -> None:
             error = r.json()["error"]
             assert error["param"] == "policy"
             assert "were not self-checked (--skip-self-check)" in error["message"]
-            assert "use a load balancer (rr, jsq, random, p2c)" in error["message"]
+            assert "use a policy that reads none (kv, rr, jsq, random, p2c)" in error["message"]
         assert client.get("/admin/state").json()["policy"] == "rr"  # nothing changed
         assert client.post("/admin/policy", json={"policy": "jsq"}).status_code == 200
         assert "eldr_worker_self_check" not in client.get("/metrics").text

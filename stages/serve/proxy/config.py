@@ -212,8 +212,8 @@ def check_unchecked_policy(policy: str) -> None:
         blind = ", ".join(name for name in POLICIES if not reads_signatures(name))
         raise EldrError(
             f"policy {policy!r} reads expert signatures, but the workers were not self-checked"
-            f" (--skip-self-check) and may send none: use a load balancer ({blind}), or serve"
-            " without --skip-self-check"
+            f" (--skip-self-check) and may send none: use a policy that reads none ({blind}),"
+            " or serve without --skip-self-check"
         )
 
 
