@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -221,11 +222,13 @@ def test_a_proxy_given_expert_events_follows_them_into_its_index(tmp_path) -> No
     app = create_app(fast_config([servers[0].url], [servers[1].url], policy="eldr-kv",
                                  model="tiny", kv=kv))
     try:
-        with BackgroundServer(app):
+        with BackgroundServer(app) as proxy:
             publisher.publish({7: np.ones((2, 3), dtype=np.int32)})
             index = app.state.proxy.block_experts.index
             wait_until(lambda: len(index) == 1)
             np.testing.assert_array_equal(index.signature_of([7]), np.ones((2, 3)))
+            state = httpx.get(f"{proxy.url}/admin/state", timeout=10).json()["block_experts"]
+            assert state["blocks"] == 1 and state["batches"] == [1, 0]
     finally:
         publisher.close()
         for s in servers:

@@ -116,6 +116,9 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         # KV-aware routing: what each worker's KV events told this proxy, and whether it trusts
         # them (None: the workers publish no KV events to it).
         "kv": state.kv.state() if state.kv is not None else None,
+        # The blocks whose expert counts the workers' expert events told (None: none publish).
+        "block_experts": (state.block_experts.state() if state.block_experts is not None
+                          else None),
         "decode_workers": [
             {
                 "index": w.index,
