@@ -206,13 +206,14 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._ledger is not None
         block_size = self._ledger.block_size
         if len(request.block_hashes) != request.num_tokens // block_size:
-            # vLLM hashes this model's blocks at another size than the signature group's
-            # blocks (a hybrid model): a hash would not name a signature row.
+            # vLLM hashes no blocks (prefix caching off) or blocks of another size than the
+            # signature group's (a hybrid model): a hash would not name a signature row.
             if not self._reported_hash_size:
                 self._reported_hash_size = True
                 logger.error(
                     "eldr: expert events are off: vLLM hashes %d blocks for %d tokens, not"
-                    " blocks of %d", len(request.block_hashes), request.num_tokens, block_size)
+                    " blocks of %d (prefix caching off, or a hybrid model's KV groups)",
+                    len(request.block_hashes), request.num_tokens, block_size)
             return
         # Inside vLLM's MultiConnector this connector is told no external tokens even when
         # NixlConnector loads the prompt: its request parameters say so.
