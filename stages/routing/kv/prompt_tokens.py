@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stages.errors import EldrError
+from stages.routing.kv.segment_cache import SegmentCache
 
 # Chat fields that change the rendered prompt in ways only vLLM's own renderer reproduces.
 _CHAT_UNSUPPORTED = ("tools", "chat_template", "chat_template_kwargs", "documents",
@@ -34,6 +35,8 @@ class PromptTokenizer:
         # vLLM checks a prompt against --max-model-len itself; the tokenizer's own limit would
         # only log a warning per long prompt here.
         self._tok.model_max_length = 1 << 62
+        self._pieces = SegmentCache(self._tok)
+        self._specials = _added_specials(self._tok)
 
     def completion(self, body: dict[str, Any]) -> list[int] | None:
         prompt = body.get("prompt")
@@ -43,7 +46,12 @@ class PromptTokenizer:
             special = body.get("add_special_tokens", True)
             if not isinstance(special, bool):
                 return None
-            return list(self._tok.encode(prompt, add_special_tokens=special))
+            if not special:
+                return self._pieces.encode(prompt)
+            if self._specials is None:
+                return list(self._tok.encode(prompt, add_special_tokens=True))
+            head, tail = self._specials
+            return [*head, *self._pieces.encode(prompt), *tail]
         if _token_ids(prompt):
             return list(prompt)
         return None
@@ -68,13 +76,34 @@ class PromptTokenizer:
         from jinja2 import TemplateError
 
         try:
-            ids = self._tok.apply_chat_template(
-                conversation, add_generation_prompt=generation_prompt, tokenize=True,
-                return_dict=False,
-            )
+            # Rendered, then encoded with no special tokens added: what tokenize=True does,
+            # here by pieces so a conversation's history is not encoded again each turn.
+            text = self._tok.apply_chat_template(
+                conversation, add_generation_prompt=generation_prompt, tokenize=False)
         except (TemplateError, ValueError):
             return None  # the template refuses this input: the worker will answer why
-        return list(ids) if _token_ids(ids) else None
+        if not isinstance(text, str):
+            return None
+        ids = self._pieces.encode(text)
+        return ids if _token_ids(ids) else None
+
+
+def _added_specials(tok: Any) -> tuple[list[int], list[int]] | None:
+    """The ids ``add_special_tokens=True`` puts before and after a text's own (e.g. a BOS),
+    where the tokenizer adds the same ones to every text; None where it does not."""
+    bare = list(tok.encode("x", add_special_tokens=False))
+    full = list(tok.encode("x", add_special_tokens=True))
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            head, tail = full[:start], full[start + len(bare):]
+            break
+    else:
+        return None
+    for text in ("some words", " spaced out ", "1 2 3\n"):
+        if list(tok.encode(text, add_special_tokens=True)) != [
+                *head, *tok.encode(text, add_special_tokens=False), *tail]:
+            return None
+    return head, tail
 
 
 def _token_ids(value: object) -> bool:

@@ -1,0 +1,63 @@
+"""Tokenizing by pieces between special tokens gives the whole text's ids, or is turned off."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from stages.paths import BUNDLED_MODELS_DIR
+from stages.routing.kv.segment_cache import SegmentCache
+
+TINY = str(BUNDLED_MODELS_DIR / "tiny")
+
+
+def test_a_conversation_is_tokenized_as_a_whole_text_is_and_its_history_once() -> None:
+    tok = AutoTokenizer.from_pretrained(TINY)
+    cache = SegmentCache(tok, verify_every=1)
+    assert cache.enabled
+    history = [{"role": "system", "content": "Answer in one line. " * 40}]
+    for turn in range(4):
+        history.append({"role": "user", "content": f" question {turn}:\n  why 12 + {turn}?"})
+        text = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        assert cache.encode(text) == tok.encode(text, add_special_tokens=False)
+        history.append({"role": "assistant", "content": f"because {turn}.\n\n"})
+    pieces = len(cache._pieces)
+    text = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    cache.encode(text)
+    assert len(cache._pieces) == pieces + 1  # only the last answer was new
+
+
+class Merging:
+    """A tokenizer whose special token does not cut: a text is one id, its length."""
+
+    all_special_tokens = ("|",)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [len(text)]
+
+
+def test_a_tokenizer_that_encodes_across_its_special_tokens_is_not_cut() -> None:
+    cache = SegmentCache(Merging())
+    assert not cache.enabled
+    assert cache.encode("a|b") == [3]
+
+
+class Drifting:
+    """Agrees on the samples, then not: the checks on live requests turn the cache off."""
+
+    all_special_tokens = ("|",)
+    calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        Drifting.calls += 1
+        if "LIVE" in text and "|" in text:
+            return [-1]
+        return [ord(c) for c in text]
+
+
+def test_a_difference_seen_on_a_live_request_turns_the_cache_off() -> None:
+    cache = SegmentCache(Drifting(), verify_every=2)
+    assert cache.enabled
+    cache.encode("LIVE|one")
+    assert cache.enabled  # not checked yet
+    assert cache.encode("LIVE|two") == [-1]  # checked, different: the whole text's ids
+    assert not cache.enabled
