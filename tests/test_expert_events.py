@@ -138,9 +138,12 @@ def test_the_view_skips_duplicates_and_counts_what_it_cannot_read() -> None:
     view = ExpertEventsView(2, BlockExperts())
     raw = msgspec.msgpack.encode(ExpertBatch(0.0, [BlockEvent.of(5, np.ones((1, 2)))]))
     view.apply(1, 0, raw)
+    view.apply(1, 0, raw)  # the replay and the stream overlap
     view.apply(1, 1, raw)
-    view.apply(1, 1, raw)  # the replay and the stream overlap
+    view.apply(1, 1, raw)
     assert view.batches.tolist() == [0, 2] and view.last_seq == [None, 1]
+    view.apply(1, 0, raw)  # a restarted publisher
+    assert view.batches.tolist() == [0, 3] and view.last_seq == [None, 0]
     view.apply(0, 0, b"\x01garbage")
     view.apply(0, 1, msgspec.msgpack.encode(ExpertBatch(0.0, [BlockEvent(6, 2, 2, b"x")])))
     assert view.undecodable.tolist() == [2, 0] and len(view.index) == 1

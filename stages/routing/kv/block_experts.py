@@ -92,8 +92,13 @@ class ExpertEventsView:
 
     def apply(self, worker: int, seq: int, payload: bytes) -> None:
         last = self.last_seq[worker]
-        if last is not None and seq <= last and seq != 0 and seq > last - RESTART_DISTANCE:
-            return  # already applied (the replay and the stream overlap)
+        # Already applied (the replay and the stream overlap), unless the numbers started
+        # over: a 0 after a later number is a restarted publisher's first batch. (A publisher
+        # that restarts after one batch loses its new first one here: those blocks stay
+        # unknown, nothing is wrong.)
+        if (last is not None and last - RESTART_DISTANCE < seq <= last
+                and (seq != 0 or last == 0)):
+            return
         try:
             batch = decode_batch(payload)
             tables = [(event.block_hash, event.table()) for event in batch.events]
