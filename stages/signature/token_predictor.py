@@ -65,7 +65,8 @@ class TokenPredictor:
         # float32 throughout (a float64 operand would copy ``basis`` to float64 every call,
         # 6x the time at 48 x 128 experts); float32 sums of a few thousand rows are exact
         # enough for a signature that is normalised before use.
-        offset = self.factors.take(rows, axis=0).sum(axis=0) @ self.basis
+        # The rows' sum as a BLAS product with ones: numpy's column sum is ~5x slower here.
+        offset = (np.ones(len(rows), np.float32) @ self.factors.take(rows, axis=0)) @ self.basis
         counts = np.float32(len(ids)) * self.mean + offset
         # An offset is a least-squares estimate: a rare token may push an expert below zero.
         return np.maximum(counts, 0.0).astype(np.float64).reshape(self.shape)
