@@ -107,6 +107,12 @@ def test_the_recorder_returns_the_rows_of_blocks_after_the_steps_tokens() -> Non
 def test_block_counts_travel_in_one_or_two_bytes_and_bad_ones_are_refused() -> None:
     small = np.array([[0, 255], [3, 4]])
     assert len(BlockEvent.of(1, small).counts) == 4
+    index = BlockExperts()
+    index.stored(1, BlockEvent.of(1, small).table())  # kept at a byte a count
+    assert index._blocks[1].dtype == np.uint8
+    summed = index.signature_of([1])
+    assert summed is not None and summed.dtype == np.int32
+    np.testing.assert_array_equal(summed, small)
     large = np.array([[0, 256], [3, 4]])
     event = BlockEvent.of(1, large)
     assert len(event.counts) == 8

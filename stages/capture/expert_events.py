@@ -44,14 +44,14 @@ class BlockExperts(msgspec.Struct, array_like=True, tag=True, gc=False):
         return cls(block_hash, int(layers), int(experts), counts.astype(dtype).tobytes())
 
     def table(self) -> np.ndarray:
-        """The counts as int32 ``[L, E]``; raises ValueError when they do not fit the shape."""
+        """The counts ``[L, E]`` as they travel (uint8 or uint16, read-only); raises
+        ValueError when they do not fit the shape."""
         cells = self.layers * self.experts
         if cells <= 0 or len(self.counts) not in (cells, 2 * cells):
             raise ValueError(f"block {self.block_hash}: {len(self.counts)} bytes of counts for"
                              f" {self.layers} x {self.experts}")
         dtype = "<u1" if len(self.counts) == cells else "<u2"
-        return np.frombuffer(self.counts, dtype=dtype).reshape(
-            self.layers, self.experts).astype(np.int32)
+        return np.frombuffer(self.counts, dtype=dtype).reshape(self.layers, self.experts)
 
 
 class ExpertBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

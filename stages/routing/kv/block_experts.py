@@ -5,7 +5,9 @@ A block hash names its tokens and every token before them, so its counts are the
 every worker of one model: one index serves every pool and every worker, and a worker that
 restarts or loses messages leaves nothing wrong behind (a block nobody holds any more only
 waits for the bound). Memory is bounded by least-recent use (``max_blocks``; a prompt's match
-refreshes its blocks): 6 KiB per block for a Qwen3-30B-A3B-shaped model.
+refreshes its blocks). Counts are kept as they travel, one byte each (two for blocks over 255
+tokens): 6 KiB per block for a Qwen3-30B-A3B-shaped model, so the default bound is about
+300 MiB there.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from stages.errors import EldrError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BLOCKS = 200_000
+DEFAULT_MAX_BLOCKS = 50_000
 # As the KV event follower (stages.serve.proxy.kv_events): a seq this far behind the last one
 # is a restarted publisher's, not a late duplicate.
 RESTART_DISTANCE = 20_000
 
 
 class BlockExperts:
-    """Block hash -> its counts (int32 ``[L, E]``), least recently used evicted first."""
+    """Block hash -> its counts (``[L, E]``, uint8 or uint16), least recently used evicted
+    first."""
 
     def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         if max_blocks < 1:
