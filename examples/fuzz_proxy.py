@@ -29,7 +29,7 @@ class Tally:
     statuses: Counter[tuple[str, int, int]] = field(default_factory=Counter)  # route, proxy, vLLM
     proxy_5xx: int = 0
     bad_4xx_shape: list[str] = field(default_factory=list)  # the proxy's
-    vllm_bad_4xx_shape: int = 0  # vLLM's own, for reference
+    vllm_bad_4xx_shape: list[str] = field(default_factory=list)  # vLLM's own, for reference
     class_differs: list[str] = field(default_factory=list)
     not_ended: int = 0
     transport_errors: list[str] = field(default_factory=list)  # no answer at all
@@ -46,11 +46,12 @@ class Tally:
         proxy_4xx = sum(n for (_, got, _), n in self.statuses.items() if 400 <= got < 500)
         out += [f"proxy 5xx: {self.proxy_5xx}",
                 f"proxy 4xx: {proxy_4xx}, not in vLLM's error shape: {len(self.bad_4xx_shape)}"
-                f" (vLLM's own 4xx not in it: {self.vllm_bad_4xx_shape})",
+                f" (vLLM's own 4xx not in it: {len(self.vllm_bad_4xx_shape)})",
                 f"status class differs from vLLM's: {len(self.class_differs)}",
                 f"answers not read to their end: {self.not_ended}",
                 f"no answer (connection or timeout): {len(self.transport_errors)}"]
         out += [f"  shape: {s}" for s in self.bad_4xx_shape[:5]]
+        out += [f"  vLLM's shape: {s}" for s in self.vllm_bad_4xx_shape[:5]]
         out += [f"  class: {s}" for s in self.class_differs[:5]]
         out += [f"  no answer: {s}" for s in self.transport_errors[:5]]
         return out
@@ -85,8 +86,8 @@ def fuzz(proxy: str, vllm: str, model: str, examples: int, timeout_s: float = 60
                                            f"{str(body)[:120]}")
             if 400 <= got.status < 500 and (problem := error_shape_problem(got)):
                 tally.bad_4xx_shape.append(f"{route} {got.status}: {problem}")
-            if 400 <= want.status < 500 and error_shape_problem(want):
-                tally.vllm_bad_4xx_shape += 1
+            if 400 <= want.status < 500 and (problem := error_shape_problem(want)):
+                tally.vllm_bad_4xx_shape.append(f"{route} {want.status}: {problem}")
 
         return one
 

@@ -41,6 +41,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -260,13 +261,29 @@ def main() -> int:
         samples += sample(time.monotonic() - t0, serve.pid, ports)
         time.sleep(3)
         state = httpx.get(f"{url}/admin/state", timeout=10).json()
+        # The verdict first, so a fuzzing failure cannot take the soak's figures with it.
+        ok = verdict(args, home, t0, events, switches, outcomes, samples, state)
         healthy = [w["url"] for w in state["decode_workers"] if w["healthy"]]
-        fuzzed = (fuzz(url, healthy[0], "tiny", args.fuzz_examples)
-                  if args.fuzz_examples and healthy else None)
+        if args.fuzz_examples and not healthy:
+            print("no decode worker up at the end: no fuzzing")
+            return 1
+        fuzzed = fuzz(url, healthy[0], "tiny", args.fuzz_examples) if args.fuzz_examples \
+            else None
     finally:
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=180)
+    if fuzzed is not None:
+        print(f"schema fuzzing, {args.fuzz_examples} examples per route, after the load:")
+        print("\n".join(f"  {line}" for line in fuzzed.lines()))
+        print(f"fuzz {'passed' if fuzzed.ok else 'FAILED'}")
+        (home / "fuzz.txt").write_text("\n".join(fuzzed.lines()) + "\n")
+    return 0 if ok and (fuzzed is None or fuzzed.ok) else 1
 
+
+def verdict(args: argparse.Namespace, home: Path, t0: float, events: list[tuple[float, str]],
+            switches: list[bool], outcomes: list[Outcome], samples: list[Usage],
+            state: dict[str, Any]) -> bool:
+    """Print the figures, write them to soak.json, and say whether the soak passed."""
     kills = [at for at, what in events if what.startswith("SIGKILL")]
     near_kill = [o for o in outcomes
                  if any(k - 1 <= o.started - t0 <= k + 10 or k - 1 <= o.ended - t0 <= k + 10
@@ -290,8 +307,9 @@ def main() -> int:
     for key, value in checks.items():
         print(f"{key:>40}: {value}")
     # KV-aware routing ran on the workers' KV events (eldr-kv): what the proxy was told.
-    for w, kv in enumerate(state["kv"] or []):
-        print(f"{'KV events, worker ' + str(w):>40}: {kv}")
+    for role in ("prefill", "decode"):
+        for w, kv in enumerate((state["kv"] or {}).get(role, [])):
+            print(f"{f'KV events from {role}-{w}':>40}: {kv}")
     print(f"over the last {args.window:.0f} s (first sample in it -> last; range):")
     for name, g in window.items():
         if "note" in g:
@@ -314,17 +332,12 @@ def main() -> int:
     ok = (not unexplained and checks["in flight at the end"] == 0
           and all(w["healthy"] for w in workers) and flat and "note" not in grown["proxy"]
           and proxy_flat and len(switches) == 3 and all(switches))
-    if fuzzed is not None:
-        print(f"schema fuzzing, {args.fuzz_examples} examples per route, after the load:")
-        print("\n".join(f"  {line}" for line in fuzzed.lines()))
-        print(f"fuzz {'passed' if fuzzed.ok else 'FAILED'}")
     (home / "soak.json").write_text(json.dumps(
         {"checks": checks, "events": events, "ok": ok, "growth": grown, "window": window,
-         "fuzz": fuzzed.lines() if fuzzed is not None else None,
          "samples": [asdict(u) for u in samples],
          "outcomes": [asdict(o) for o in outcomes[:20000]]}, indent=1))
-    print(f"soak {'passed' if ok else 'FAILED'}; details in {home / 'soak.json'}")
-    return 0 if ok and (fuzzed is None or fuzzed.ok) else 1
+    print(f"soak {'passed' if ok else 'FAILED'}; details in {home / 'soak.json'}", flush=True)
+    return ok
 
 
 if __name__ == "__main__":
