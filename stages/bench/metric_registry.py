@@ -75,8 +75,8 @@ CONVERSATION_METRICS: tuple[Metric, ...] = (
     # prompt_tokens_by_source{source="external_kv_transfer"}), and what their own cache held.
     Metric("decode_kv_pulled_tokens", "D pulled", "tokens"),
     Metric("decode_hit_share", "D hit", "share"),
-    # Turns a decode worker prefilled itself (eldr-kv's conditional disaggregation): they
-    # reach no prefill worker, so "P hit" leaves them out.
+    # Prompt tokens a decode worker prefilled itself (eldr-kv's conditional disaggregation):
+    # they reach no prefill worker, so "P hit" leaves them out.
     Metric("local_prefill_share", "local", "share"),
     Metric("failed", "fail", "requests"),
 )

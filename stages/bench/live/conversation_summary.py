@@ -41,6 +41,10 @@ def target_metrics(runs: Sequence[RunOutcome], block_size: int) -> dict[str, obj
     prompt = sum(i.prompt_tokens for i in ideal)
     metrics["ideal_prefill_hit_share"] = share(sum(i.prefill_hit_tokens for i in ideal), prompt)
     metrics["ideal_history_hit_share"] = share(sum(i.history_hit_tokens for i in ideal), prompt)
+    # Prompt tokens that reached no prefill worker (a decode worker prefilled them itself).
+    metrics["local_prefill_share"] = (
+        max(0.0, 1.0 - prefill.queries / prompt)
+        if prompt > 0 and not math.isnan(prefill.queries) else math.nan)
     ideal_share = float(metrics["ideal_prefill_hit_share"])  # type: ignore[arg-type]
     metrics["prefill_hit_of_ideal"] = (prefill.hit_share / ideal_share
                                        if ideal_share > 0 else math.nan)

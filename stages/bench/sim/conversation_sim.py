@@ -323,7 +323,8 @@ def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
     remote = outcome.prefill_worker >= 0
     metrics["prefill_hit_share"] = share(float(outcome.prefill_cached[remote].sum()),
                                          float(prompt[remote].sum()))
-    metrics["local_prefill_share"] = float(1.0 - remote.mean()) if n else float("nan")
+    # Prompt tokens that reached no prefill worker (as the live bench counts them).
+    metrics["local_prefill_share"] = share(float(prompt[~remote].sum()), total_prompt)
     cached = np.bincount(outcome.prefill_worker[remote], outcome.prefill_cached[remote],
                          num_prefill)
     queried = np.bincount(outcome.prefill_worker[remote], prompt[remote], num_prefill)
