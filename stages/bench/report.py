@@ -13,9 +13,10 @@ from collections.abc import Mapping, Sequence
 from stages.bench.metric_registry import COLUMNS, OVER_BEST
 from stages.routing.policies import POLICIES
 
-# The load balancers: the registered policies that read neither features nor counts.
+# The load balancers: the registered policies that read neither features nor counts nor KV.
 BASELINES = tuple(
-    name for name, cls in POLICIES.items() if not (cls.uses_signature or cls.uses_counts)
+    name for name, cls in POLICIES.items()
+    if not (cls.uses_signature or cls.uses_counts or cls.reads_kv)
 )
 Metrics = Mapping[str, Mapping[str, float]]
 
