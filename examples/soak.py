@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,8 +131,9 @@ def sample(at: float, serve_pid: int, ports: dict[str, int]) -> list[Usage]:
 
 def window_growth(samples: list[Usage], window_s: float) -> dict[str, dict[str, object]]:
     """Per process that ran through the last ``window_s`` seconds (the same pid from its first
-    sample to the end): the first sample in that window against the last, and the range of
-    every sample in it."""
+    sample to the end): the first sample in that window against the last, the range of every
+    sample in it, and the median of its first half against its second's (open files move with
+    the connections open at the moment a sample is taken; a leak moves the median)."""
     end = samples[-1].at
     out: dict[str, dict[str, object]] = {}
     for name in dict.fromkeys(u.name for u in samples):
@@ -151,8 +153,15 @@ def window_growth(samples: list[Usage], window_s: float) -> dict[str, dict[str, 
                      "rss_range_mb": f"{min(rss):.0f}-{max(rss):.0f}",
                      "fds_range": f"{min(fds)}-{max(fds)}",
                      "rss_growth": last.rss_mb / base.rss_mb - 1,
-                     "fds_growth": last.fds / base.fds - 1}
+                     "fds_growth": last.fds / base.fds - 1,
+                     "rss_halves_mb": f"{_halves(rss)[0]:.0f} -> {_halves(rss)[1]:.0f}",
+                     "fds_halves": "{:g} -> {:g}".format(*_halves(fds))}
     return out
+
+
+def _halves(values: list[float] | list[int]) -> tuple[float, float]:
+    half = len(values) // 2
+    return statistics.median(values[:half]), statistics.median(values[half:])
 
 
 def growth(samples: list[Usage], warmup_s: float) -> dict[str, dict[str, object]]:
@@ -310,14 +319,16 @@ def verdict(args: argparse.Namespace, home: Path, t0: float, events: list[tuple[
     for role in ("prefill", "decode"):
         for w, kv in enumerate((state["kv"] or {}).get(role, [])):
             print(f"{f'KV events from {role}-{w}':>40}: {kv}")
-    print(f"over the last {args.window:.0f} s (first sample in it -> last; range):")
+    print(f"over the last {args.window:.0f} s (first sample in it -> last; range;"
+          " median of its first half -> second half):")
     for name, g in window.items():
         if "note" in g:
             print(f"{name:>12} (pid {g['pid']}): {g['note']}")
         else:
             print(f"{name:>12} (pid {g['pid']}, from {g['from_s']} s, {g['samples']} samples):"
-                  f" RSS MB {g['rss_mb']} ({g['rss_growth']:+.1%}; {g['rss_range_mb']}),"
-                  f" open files {g['fds']} ({g['fds_growth']:+.1%}; {g['fds_range']})")
+                  f" RSS MB {g['rss_mb']} ({g['rss_growth']:+.1%}; {g['rss_range_mb']};"
+                  f" {g['rss_halves_mb']}), open files {g['fds']} ({g['fds_growth']:+.1%};"
+                  f" {g['fds_range']}; {g['fds_halves']})")
     print(f"after {args.warmup:.0f} s of warm-up, to the end (RSS of the process tree, files):")
     for name, g in grown.items():
         if "note" in g:

@@ -38,4 +38,5 @@ def test_window_takes_the_last_seconds_of_processes_that_lived_through_them() ->
     assert grown["proxy"]["from_s"] == 500  # not the first sample, before the window
     assert abs(grown["proxy"]["rss_growth"] - 0.06) < 1e-9
     assert grown["proxy"]["fds_range"] == "60-62"
+    assert grown["proxy"]["fds_halves"] == "60 -> 61"  # medians of (60) and (62, 60)
     assert "no baseline" in grown["decode-0"]["note"]
