@@ -20,8 +20,9 @@ Verdict (exit 1 when it fails):
   ``--max-growth`` (5%) to the end. A worker restarted less than a warm-up before the end has
   no baseline and is reported as such;
 - over the last ``--window`` seconds (10 minutes), the proxy's memory and open files grew by
-  at most ``--max-growth`` (reported for every process that lived through that window too);
-- each policy switch took (the proxy's state names the policy asked for).
+  at most ``--max-growth`` from the window's first sample to its last (reported, with the
+  range and the medians of the window's halves, for every process that lived through it);
+- each switch, policy or artifact, took (the proxy's state then names what was asked for).
 
 With ``--fuzz-examples N`` it then fuzzes the live proxy (examples/fuzz_proxy.py: N requests per
 route generated from vLLM's OpenAPI schema, sent to the proxy and to a decode worker) before
