@@ -188,16 +188,18 @@ def test_the_proxy_predicts_every_prefix_cache_hit_the_workers_make(
     httpx.post(f"{deployment.proxy_url}/admin/policy", json={"policy": "eldr-kv"},
                timeout=10).raise_for_status()
     before = _reused(deployment)
-    history = f"{uuid.uuid4().hex} The committee reviewed the annual report on water quality."
+    # Long enough from the first turn to fill whole blocks (128 tokens on CPU workers).
+    history = uuid.uuid4().hex + " The committee reviewed the annual report on water quality." * 25
     messages = [{"role": "system", "content": "You answer briefly."}]
     for turn in range(3):
-        history += f" Turn {turn}: list the districts whose wells were tested in spring."
+        line = f" Turn {turn}: list the districts whose wells were tested in spring."
+        history += line
         if chat:
-            messages.append({"role": "user", "content": history})
+            messages.append({"role": "user", "content": history if turn == 0 else line})
             body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
             route = "chat/completions"
         else:
-            body = {"model": "tiny", "prompt": history * 3, "max_tokens": 8, "temperature": 0}
+            body = {"model": "tiny", "prompt": history, "max_tokens": 8, "temperature": 0}
             route = "completions"
         response = httpx.post(f"{deployment.proxy_url}/v1/{route}", json=body, timeout=120)
         response.raise_for_status()
