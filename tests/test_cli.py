@@ -289,6 +289,8 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
             self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
             self.decode_batch_endpoints = ["tcp://127.0.0.1:3"]
 
+        expert_event_endpoints: list[str | None] = []  # noqa: RUF012
+
         def kv_event_endpoints(self, role: str) -> list[str | None]:
             return [None]
 
@@ -349,6 +351,8 @@ def test_serve_on_an_open_address_without_a_key_is_refused_unless_insecure(
             self.specs: list[object] = []
             self.prefill_urls, self.decode_urls = ["http://127.0.0.1:1"], ["http://127.0.0.1:2"]
             self.decode_batch_endpoints = ["tcp://127.0.0.1:3"]
+
+        expert_event_endpoints: list[str | None] = []  # noqa: RUF012
 
         def kv_event_endpoints(self, role: str) -> list[str | None]:
             return [None]
@@ -494,6 +498,8 @@ def test_serve_self_checks_started_workers_for_eldr_union(
             self.servers: list[object] = []
             self.prefill_urls, self.decode_urls = serving.urls[:1], serving.urls[1:]
             self.decode_batch_endpoints = [None] * len(self.decode_urls)
+
+        expert_event_endpoints: list[str | None] = []  # noqa: RUF012
 
         def kv_event_endpoints(self, role: str) -> list[str | None]:
             return [None] * len(self.prefill_urls if role == "prefill" else self.decode_urls)
