@@ -10,6 +10,7 @@ import orjson
 from stages.routing.policies import PrefillRequest
 from stages.serve.proxy.request_context import RequestContext
 from stages.serve.proxy.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.state import ProxyState
 from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 
 
@@ -54,6 +55,12 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
             lease.release()
             if state.kv is not None:
                 state.kv.prefill_queued[worker] -= queued
+        if failure is None and status == 500 and await answers_health(state, url):
+            # vLLM failed this request, not itself (one fuzzed chat body made it raise): its
+            # answer goes to the client as vLLM gives it, and no other worker is tried with it.
+            reason = f"answered 500: {content[:500].decode(errors='replace')}"
+            pool.record_error_answer(worker, reason)
+            raise UpstreamClientError(status, content, content_type)
         if failure is None and status >= 500:
             failure = f"answered {status}: {content[:500].decode(errors='replace')}"
         if failure is not None:  # nothing reached the client yet: the next worker is tried
@@ -76,6 +83,17 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
         raise ProxyError(503, "no healthy prefill worker", "no_prefill_worker")
     raise ProxyError(502, "prefill failed on every worker tried: " + "; ".join(failures),
                      "prefill_failed")
+
+
+async def answers_health(state: ProxyState, url: str) -> bool:
+    """Whether the worker at ``url`` answers its health probe now (vLLM: 200 while its engine
+    runs)."""
+    try:
+        async with state.session.get(url + "/health", timeout=state.health_timeout) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (*NOT_DELIVERED, *UPSTREAM_ERRORS):
+        return False
 
 
 def prefill_request(ctx: RequestContext, eligible: np.ndarray) -> PrefillRequest | None:

@@ -147,6 +147,17 @@ class WorkerPool:
         if self._probation[index] or self._failures[index] >= self.ejection.after_failures:
             self._eject(index, reason)
 
+    def record_error_answer(self, index: int, reason: str) -> None:
+        """The worker answered an error of its own for one request and still answers its
+        health probe (vLLM's 500 on a body it mishandles): it stays in rotation, since the next
+        request may well be fine, but counts toward its ejection like any failure."""
+        if self.ejected(index):
+            return
+        self._failures[index] += 1
+        self._last_error[index] = reason
+        if self._probation[index] or self._failures[index] >= self.ejection.after_failures:
+            self._eject(index, reason)
+
     def record_success(self, index: int) -> None:
         self._failures[index] = 0
         if self._probation[index]:
