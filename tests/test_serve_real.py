@@ -266,7 +266,7 @@ def test_malformed_requests_get_vllms_status(deployment: Deployment) -> None:
 def test_schema_fuzzed_requests_get_vllms_status_class(deployment: Deployment) -> None:
     """Requests generated from the OpenAPI document the live decode worker publishes (valid
     and not, tests/openapi_fuzz.py), to a proxy on the live workers and to vLLM itself: the
-    same status class for every one, never a 5xx from the proxy, every 4xx from the proxy in
+    same status class for every one, never a 5xx of the proxy's own, every 4xx from the proxy in
     vLLM's error shape, every answer read to its end within a minute, and nothing left in
     flight."""
     from hypothesis import HealthCheck, Phase, given, settings
@@ -290,7 +290,9 @@ def test_schema_fuzzed_requests_get_vllms_status_class(deployment: Deployment) -
         def same_class(body: object) -> None:
             got, want = send(proxy, route, body, 60), send(vllm, route, body, 60)
             seen[got.status, want.status] = seen.get((got.status, want.status), 0) + 1
-            assert got.status < 500, (got, want)
+            # The proxy's own 5xx never; vLLM's own 500 on a body it mishandles (a message part
+            # that is a bare string made it raise), relayed as it came, only where vLLM gives it.
+            assert got.status < 500 or want.status == got.status == 500, (got, want)
             assert got.status // 100 == want.status // 100, (got, want)
             assert got.status // 100 != 4 or error_shape_problem(got) is None, \
                 (error_shape_problem(got), want)
