@@ -60,6 +60,15 @@ def test_a_cache_salt_keys_the_first_block_and_so_every_block() -> None:
     assert plain[0] != salted[0] and plain[1] != salted[1]
 
 
+def test_blocks_hashed_before_come_from_the_memo_and_equal_a_fresh_hash() -> None:
+    tokens = list(range(1000))
+    memo = BlockHasher("sha256", max_memo=40)
+    first = memo.hashes(tokens, 16)
+    assert memo.hashes(tokens, 16) == first == BlockHasher("sha256").hashes(tokens, 16)
+    assert memo.hashes([*tokens, 5, 6], 16)[:62] == first[:62]
+    assert len(memo._memo) <= 40 + 64  # cleared once past its bound, refilled by one prompt
+
+
 def test_event_hashes_in_bytes_read_as_the_default_int_form() -> None:
     raw = bytes(range(32))
     assert external_hash(raw) == int.from_bytes(raw, "big") & (2**64 - 1)

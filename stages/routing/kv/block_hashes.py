@@ -71,7 +71,13 @@ class BlockHasher:
 
     algo: str = "sha256"
     seed: str | None = None
+    # Blocks hashed before, by (parent hash, tokens, extra keys): a conversation's next turn
+    # repeats its history's blocks, whose digests are then a dict lookup, not a pickle and a
+    # sha256 each (8x as many blocks at a GPU's block size of 16 as at the CPU's 128).
+    max_memo: int = 1 << 18
     _none_hash: bytes = field(init=False, repr=False)
+    _memo: dict[tuple[Any, ...], tuple[bytes, int]] = field(init=False, repr=False,
+                                                             compare=False)
 
     def __post_init__(self) -> None:
         if self.algo not in _ALGOS:
@@ -84,6 +90,7 @@ class BlockHasher:
                                 " set the same PYTHONHASHSEED for the workers and eldr")
             seed = DEFAULT_NONE_HASH_SEED
         object.__setattr__(self, "_none_hash", self._digest(seed))
+        object.__setattr__(self, "_memo", {})
 
     def _digest(self, value: Any) -> bytes:
         serialize, digest = _ALGOS[self.algo]
@@ -96,9 +103,17 @@ class BlockHasher:
             raise EldrError(f"block size must be >= 1, got {block_size}")
         parent = self._none_hash
         out: list[int] = []
+        memo = self._memo
+        if len(memo) > self.max_memo:
+            memo.clear()  # cheaper than an LRU's bookkeeping per block; refilled in a turn
         for start in range(0, len(token_ids) - block_size + 1, block_size):
             # vLLM tags the salt with its source and keys only the first block with it.
             extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
-            parent = self._digest((parent, tuple(token_ids[start:start + block_size]), extra))
-            out.append(external_hash(parent))
+            key = (parent, tuple(token_ids[start:start + block_size]), extra)
+            known = memo.get(key)
+            if known is None:
+                digest = self._digest(key)
+                known = memo[key] = (digest, external_hash(digest))
+            parent = known[0]
+            out.append(known[1])
         return out
