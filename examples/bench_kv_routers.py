@@ -86,6 +86,9 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--think-time", type=float, default=1.0)
+    ap.add_argument("--policy-config", default=None,
+                    help="eldr's policy options, as `eldr bench --policy-config` takes them"
+                    """ (e.g. '{"eldr-kv": {"cost": "cpu"}}' on CPU workers)""")
     ap.add_argument("--result-dir", type=Path, default=Path("results/kv-routers"))
     args = ap.parse_args()
     if not args.vllm_router or not Path(args.vllm_router).exists():
@@ -123,6 +126,8 @@ def main() -> None:
                      "--think-time", str(args.think_time),
                      "--prefill-urls", ",".join(prefill), "--decode-urls", ",".join(decode),
                      "--result-dir", str(args.result_dir)]
+            if args.policy_config:
+                bench += ["--policy-config", args.policy_config]
             print(" ".join(bench[2:]), flush=True)
             subprocess.run(bench, env=env, check=True)
 
