@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 
 from stages.paths import BUNDLED_MODELS_DIR
@@ -121,3 +122,14 @@ def write_dataset(path: Path, arrays: SignatureArrays, identity: ModelIdentity,
         for i in range(len(arrays) if rows is None else rows)
     ])
     return dataset
+
+
+def without_probe(traced: np.ndarray, model_dir: Path) -> np.ndarray:
+    """A capture's traced picks ``[L, tokens, k]`` less the self-check probe's prompt, which
+    `eldr capture` runs on its engine before recording (``check_engine_records``)."""
+    from transformers import AutoTokenizer
+
+    from stages.serve.proxy.self_check import PROBE_PROMPT
+
+    probe = len(AutoTokenizer.from_pretrained(model_dir)(PROBE_PROMPT)["input_ids"])
+    return traced[:, probe:]

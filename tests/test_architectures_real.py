@@ -25,7 +25,7 @@ import pytest
 
 from stages.signature.dataset import SignatureDataset
 from tests.arch_capture import MAX_TOKENS, family_prompts
-from tests.conftest import requires_vllm
+from tests.conftest import requires_vllm, without_probe
 from tests.moe_families import FAMILIES, Family, hf_routing
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
@@ -82,7 +82,7 @@ def check_agreement(captured: Path, family: Family) -> None:
     assert dataset.identity.shape == (len(family.moe_layers), family.num_experts)
     arrays = dataset.read()
     steps = sorted((work / "trace").glob("step-*.npy"))
-    traced = np.concatenate([np.load(s) for s in steps], axis=1)  # [L, tokens, k]
+    traced = without_probe(np.concatenate([np.load(s) for s in steps], axis=1), work / "model")
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     texts = {p.id: p.prompt for p in family_prompts()}
     agree = clear_agree = clear_total = total = 0

@@ -15,7 +15,7 @@ import pytest
 
 from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
-from tests.conftest import requires_vllm
+from tests.conftest import TINY, requires_vllm, without_probe
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -94,7 +94,7 @@ def prompt_picks(captured: tuple[Path, Path]) -> tuple[np.ndarray, list[tuple[st
     """Each prompt token's traced expert ids ``[L, prompt tokens, k]`` (decode tokens left
     out), and ``(id, prompt tokens)`` per request in dataset order."""
     steps = sorted(captured[1].glob("step-*.npy"))
-    traced = np.concatenate([np.load(s) for s in steps], axis=1)  # [L, tokens, k]
+    traced = without_probe(np.concatenate([np.load(s) for s in steps], axis=1), TINY)
     arrays = SignatureDataset.open(captured[0]).read()
     offset, parts, requests = 0, [], []
     for req_id, n_prompt, n_out in zip(arrays.ids, arrays.prompt_tokens, arrays.output_tokens,
