@@ -196,6 +196,8 @@ class _Run:
         """Conditional disaggregation: the policy's decode worker prefills the turn itself
         (``choose_local``): its next step also computes the tokens it lacks, which holds up
         the batch beside it for that long; no prefill worker, no pull."""
+        if not self.policy.prefills_locally:
+            return False
         prompt_tokens = int(self.turns.prompts[r].size)
         cached = self._cached_tokens([d.cache for d in self.decoders], r)
         request = RoutingRequest(self.decode_loads.copy(), self.decode_eligible,

@@ -86,6 +86,12 @@ class DecodePolicy(ABC):
         prefill to the proxy's prefix hash (every policy but the KV-aware ones)."""
         return None
 
+    @property
+    def prefills_locally(self) -> bool:
+        """Whether ``choose_local`` may answer a worker: callers skip gathering its inputs
+        (every decode worker's cached tokens, every prefill worker's) when it cannot."""
+        return False
+
     def choose_local(self, request: RoutingRequest, prefill: PrefillRequest) -> int | None:
         """At a request's arrival, before any prefill: the decode worker that should prefill
         it itself (it holds nearly all of the prompt), or None to prefill on a prefill worker

@@ -105,6 +105,10 @@ class EldrKvPolicy(EldrUnionPolicy):
 
     # --- at arrival: prefill on the decode worker? ---
 
+    @property
+    def prefills_locally(self) -> bool:
+        return self.params.local_prefill_below > 0
+
     def choose_local(self, request: RoutingRequest, prefill: PrefillRequest) -> int | None:
         cap = self.params.local_prefill_below
         if cap <= 0 or request.cached_tokens is None or request.prompt_tokens <= 0:

@@ -63,6 +63,8 @@ async def run_local(ctx: RequestContext) -> tuple[Answer | None, RequestContext]
     or when that worker failed before anything reached the client: the PD path takes the
     request then, under a request id of its own if the worker had it."""
     state = ctx.state
+    if not state.router.policy.prefills_locally:
+        return None, ctx
     pool = state.decode
     kv = kv_inputs(ctx)
     eligible = pool.eligible()
