@@ -18,13 +18,14 @@ from pathlib import Path
 
 import httpx
 
-from stages.capture.nixl_progress import ENV as NIXL_PROGRESS_ENV
 from stages.errors import EldrError
 from stages.procs import keeper
 from stages.procs.health import healthy
 from stages.routing.kv.endpoints import kv_events_config
 
 SIGNATURE_CONNECTOR = "EldrSignatureConnector"
+# "0" turns NIXL's UCX progress thread off in a worker (stages.capture.nixl_progress reads it).
+NIXL_PROGRESS_ENV = "ELDR_NIXL_PROGRESS_THREAD"
 
 
 def on_cpu() -> bool:
@@ -180,7 +181,7 @@ def server_command(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
     if spec.nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_side_channel_port)
     if on_cpu():
-        env.setdefault(NIXL_PROGRESS_ENV, "0")  # stages.capture.nixl_progress
+        env.setdefault(NIXL_PROGRESS_ENV, "0")
     env.update(LOOPBACK_ENV)
     if spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(_physical_gpu(gpu) for gpu in spec.gpus)

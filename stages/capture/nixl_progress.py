@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-ENV = "ELDR_NIXL_PROGRESS_THREAD"
+from stages.engine import NIXL_PROGRESS_ENV as ENV
 
 log = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ class TopkSink:
 
 def records_signatures(vllm_config: Any) -> bool:
     """True when the engine's kv-transfer config names eldr's connector (alone or composed)."""
-    from stages.capture.vllm_plugin import CONNECTOR_NAME
+    from stages.engine import SIGNATURE_CONNECTOR as CONNECTOR_NAME
 
     kv = getattr(vllm_config, "kv_transfer_config", None)
     if kv is None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 
-CONNECTOR_NAME = "EldrSignatureConnector"
+# One name for the connector: stages.engine writes it into every worker's
+# --kv-transfer-config, the plugin registers it, topk_sink looks for it.
+from stages.engine import SIGNATURE_CONNECTOR as CONNECTOR_NAME
 
 log = logging.getLogger(__name__)
 
