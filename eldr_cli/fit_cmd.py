@@ -55,6 +55,7 @@ def fit(
     from stages.fit.fit_dataset import fit_dataset
     from stages.fit.gain import GainConfig
     from stages.fit.pipeline import FitConfig
+    from stages.routing.cost_model import cost_model_for
 
     gain = GainConfig() if decode_batch is None else GainConfig(batch_sizes=_batch_sizes(
         decode_batch))
@@ -69,7 +70,8 @@ def fit(
                                  param_hint="'--dial-data'")
     fit_dataset(data, store or paths.default_artifact_store(),
                 FitConfig(k=k, balanced=balanced, seed=seed, gain=gain), cost, plot,
-                echo=typer.echo, warn=lambda line: typer.echo(line, err=True), dial=runner)
+                echo=typer.echo, warn=lambda line: typer.echo(line, err=True),
+                cost_model_for=cost_model_for, dial=runner)
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:

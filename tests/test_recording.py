@@ -27,8 +27,8 @@ from stages.capture.messages import StepReport
 from stages.errors import EldrError
 from stages.serve.deploy import ServeOptions
 from stages.serve.proxy import create_app
-from stages.serve.proxy.recorded_row import RecordedRow, build_record, identity_of
-from stages.serve.proxy.recording import RecordConfig
+from stages.serve.proxy.recording.recorder import RecordConfig
+from stages.serve.proxy.recording.row import RecordedRow, build_record, identity_of
 from stages.signature import wire
 from stages.signature.appender import DatasetAppender
 from stages.signature.dataset import ModelIdentity, SignatureDataset, store_exists
@@ -299,6 +299,7 @@ def test_the_recorded_dataset_is_what_eldr_fit_reads(
         recorded_workers: tuple[list[BackgroundServer], list[str]], tmp_path: Path) -> None:
     from stages.fit.fit_dataset import fit_dataset
     from stages.fit.pipeline import FitConfig
+    from stages.routing.cost_model import cost_model_for
 
     servers, endpoints = recorded_workers
     path = tmp_path / "traffic.zarr"
@@ -309,7 +310,7 @@ def test_the_recorded_dataset_is_what_eldr_fit_reads(
                                                  "max_tokens": 2})
     said: list[str] = []
     artifact = fit_dataset(path, tmp_path / "store", FitConfig(k=2), "cpu", False, said.append,
-                           said.append)
+                           said.append, cost_model_for=cost_model_for)
     assert artifact.centroids.shape[0] == 2
     assert artifact.dataset_hash == SignatureDataset.open(path).content_hash()
 

@@ -20,8 +20,8 @@ import numpy as np
 from stages.signature.dataset import ModelIdentity, SignatureArrays
 
 if TYPE_CHECKING:
+    from stages.fit.config import FitConfig
     from stages.fit.gain import StepTimeModel
-    from stages.fit.pipeline import FitConfig
 
 
 @dataclass(frozen=True, eq=False)

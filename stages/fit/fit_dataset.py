@@ -10,6 +10,7 @@ from pathlib import Path
 from stages.errors import EldrError
 from stages.fit.artifact import Artifact, ArtifactStore
 from stages.fit.dial import DialRunner
+from stages.fit.gain import StepTimeModel
 from stages.fit.pipeline import FitConfig, fit_artifact
 from stages.fit.prompt_tokens import PromptTokens, model_encoder, prompt_texts, prompt_tokens
 from stages.signature.dataset import SignatureArrays, SignatureDataset
@@ -21,16 +22,21 @@ def dataset_prompt_tokens(dataset: SignatureDataset, arrays: SignatureArrays) ->
     return prompt_tokens(arrays, texts, partial(model_encoder, dataset.identity.name))
 
 
+# The step-time model ``cost`` names, for a model of (layers, experts): the routing's
+# ``cost_model_for``, passed in by the caller because the routing builds on the fit.
+CostModelFor = Callable[[str, int, int], StepTimeModel]
+
+
 def fit_dataset(data: Path, store: Path, config: FitConfig, cost: str, plot: bool,
                 echo: Callable[[str], None], warn: Callable[[str], None],
-                dial: DialRunner | None = None) -> Artifact:
+                cost_model_for: CostModelFor, dial: DialRunner | None = None) -> Artifact:
     """Fit ``config`` on the dataset at ``data`` into ``store``; ``cost`` names the step-time
-    model of the predicted TPOT change ('gpu', 'cpu' or a fitted JSON file); ``dial``, given
-    the dataset's arrays, places them on the locality dial."""
+    model of the predicted TPOT change ('gpu', 'cpu' or a fitted JSON file), which
+    ``cost_model_for`` builds; ``dial``, given the dataset's arrays, places them on the
+    locality dial."""
     from stages.fit.dial import dial_line
     from stages.fit.fit_plot import plot_fit
     from stages.fit.gain_report import gain_lines
-    from stages.routing.cost_model import cost_model_for
 
     k = config.k
     dataset = SignatureDataset.open(data)

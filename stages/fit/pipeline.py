@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -24,9 +24,10 @@ import numpy as np
 from stages.errors import EldrError
 from stages.fit.arrival_gain import arrival_gain, arrival_queries
 from stages.fit.artifact import Artifact, ArtifactStore
+from stages.fit.config import FitConfig
 from stages.fit.cross_fit import Clustering, CrossFit, Queries, cross_fit_labels
 from stages.fit.dial import DialHook, DialInput
-from stages.fit.gain import GainConfig, StepTimeModel, estimate_gain, gain_from_labels
+from stages.fit.gain import StepTimeModel, estimate_gain, gain_from_labels
 from stages.fit.kmeans import balanced_spherical_kmeans
 from stages.fit.prompt_tokens import PromptTokens
 from stages.fit.token_fit import fit_token_predictor
@@ -41,31 +42,6 @@ _MIN_RANDOM_BATCHES = 256
 # Fewer training signatures per cluster and a centroid fits a handful of requests: the
 # within-cluster cosine looks perfect and says nothing about unseen traffic.
 MIN_SIGNATURES_PER_CLUSTER = 20
-
-
-@dataclass(frozen=True)
-class FitConfig:
-    k: int = 20
-    balanced: bool = True
-    seed: int = 0
-    holdout_fraction: float = 0.2
-    num_pairs: int = 30000
-    max_iter: int = 50
-    eval_batch_size: int = 8  # decode batch size for the held-out whole-decode metric
-    gain: GainConfig = field(default_factory=GainConfig)  # cross-fit per-step gain estimate
-    # Folds of the gain's cross-fit: each fit sees (folds - 1) / folds of the requests, as
-    # many as the artifact's own fit at the default holdout fraction.
-    folds: int = 5
-
-    def __post_init__(self) -> None:
-        if self.k < 1:
-            raise EldrError(f"--k must be at least 1, got {self.k}")
-        if self.folds < 2:
-            raise EldrError(f"cross-fitting needs at least 2 folds, got {self.folds}")
-        if not 0.0 <= self.holdout_fraction < 1.0:
-            raise EldrError(f"holdout fraction must be in [0, 1), got {self.holdout_fraction}")
-        if self.num_pairs < 1 or self.max_iter < 1 or self.eval_batch_size < 1:
-            raise EldrError("num_pairs, max_iter and eval_batch_size must be positive")
 
 
 def fit_artifact(
