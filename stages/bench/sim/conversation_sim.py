@@ -97,6 +97,7 @@ class _Decoder:
     batch: int = 0
     busy: bool = False
     stall_s: float = 0.0  # local prefill its next step also computes
+    distinct_sum: float = 0.0  # distinct experts summed over its steps so far
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class ConversationOutcome:
     prefill_worker: np.ndarray  # int64: the prefill worker of each turn
     decode_pulled: np.ndarray  # prompt tokens the chosen decode worker pulled
     step_distinct: np.ndarray  # distinct experts (summed over layers) per decode step
+    # Per turn: the mean over its decode steps of the distinct experts (summed over layers)
+    # of the batch it ran in: what its decode worker's choice gave the turns it ran with.
+    turn_distinct: np.ndarray
 
 
 class _Run:
@@ -117,7 +121,7 @@ class _Run:
                  answer_hashes: list[list[int]], arrays: SignatureArrays,
                  profiles: DecodeProfiles, policy: DecodePolicy, top_k: int,
                  transform: Callable[[np.ndarray], np.ndarray] | None) -> None:
-        from stages.serve.proxy.prefill_router import PrefillRouter
+        from stages.serve.proxy.legs.prefill_router import PrefillRouter
 
         self.cfg, self.turns, self.policy = config, turns, policy
         # A policy that routes prefill too (KV-aware) has its own choice; the others (no
@@ -148,6 +152,9 @@ class _Run:
         self.pulled = np.zeros(n, dtype=np.int64)
         self.worker = np.full(n, -1, dtype=np.int64)
         self.log_miss: dict[int, np.ndarray] = {}
+        self.turn_distinct = np.full(n, np.nan)
+        self.arrival_counts = (_ArrivalCounts(arrays, turns) if policy.decodes_at_arrival
+                               else None)
         self.distinct: list[float] = []
         self.events: list[tuple[float, int, int, int]] = []
         self.seq = 0
@@ -172,8 +179,11 @@ class _Run:
         cached = self._cached_tokens(self.prefill_caches, r)
         prefill = PrefillRequest(self.prefill_loads.copy(), self.prefill_eligible,
                                  int(prompt.size), cached, self.prefill_queued.copy())
-        if self.local(r, t, prefill):
+        at_arrival = self.arrival_request(r) if self.arrival_counts is not None else None
+        if self.local(r, t, prefill, at_arrival):
             return
+        if at_arrival is not None:
+            self.dispatch_decode(r, at_arrival)
         chosen = None
         if self.choose_prefill is not None:
             chosen = self.choose_prefill(prefill)
@@ -192,17 +202,35 @@ class _Run:
         self.prefill_free[w] = end
         self._push(end, _PREFILL_END, r)
 
-    def local(self, r: int, t: float, prefill: PrefillRequest) -> bool:
+    def arrival_request(self, r: int) -> RoutingRequest:
+        """The decode request at arrival: loads, the KV each decode worker holds and the
+        signature at arrival (``_ArrivalCounts``)."""
+        # The expert events of every worker, prefill and decode, feed one index.
+        caches = [*self.prefill_caches, *(d.cache for d in self.decoders)]
+        known = int(self._cached_tokens(caches, r).max())
+        counts = self.arrival_counts(r, known)  # type: ignore[misc]
+        inputs = routing_inputs(counts, self.transform)
+        return RoutingRequest(self.decode_loads.copy(), self.decode_eligible, inputs.features,
+                              inputs.counts, prompt_tokens=int(self.turns.prompts[r].size),
+                              cached_tokens=self._cached_tokens([d.cache for d in self.decoders],
+                                                                r),
+                              output_tokens=int(self.turns.answers[r].size))
+
+    def local(self, r: int, t: float, prefill: PrefillRequest,
+              at_arrival: RoutingRequest | None) -> bool:
         """Conditional disaggregation: the policy's decode worker prefills the turn itself
         (``choose_local``): its next step also computes the tokens it lacks, which holds up
-        the batch beside it for that long; no prefill worker, no pull."""
+        the batch beside it for that long; no prefill worker, no pull. ``at_arrival``: the
+        decode request with its signature at arrival, when the policy chooses decode then."""
         if not self.policy.prefills_locally:
             return False
         prompt_tokens = int(self.turns.prompts[r].size)
-        cached = self._cached_tokens([d.cache for d in self.decoders], r)
-        request = RoutingRequest(self.decode_loads.copy(), self.decode_eligible,
-                                 prompt_tokens=prompt_tokens, cached_tokens=cached,
-                                 output_tokens=int(self.turns.answers[r].size))
+        request = at_arrival
+        if request is None:
+            request = RoutingRequest(
+                self.decode_loads.copy(), self.decode_eligible, prompt_tokens=prompt_tokens,
+                cached_tokens=self._cached_tokens([d.cache for d in self.decoders], r),
+                output_tokens=int(self.turns.answers[r].size))
         w = self.policy.choose_local(request, prefill)
         if w is None:
             return False
@@ -210,6 +238,8 @@ class _Run:
         self.decode_loads[w] += 1
         self.worker[r] = w
         dec = self.decoders[w]
+        cached = request.cached_tokens
+        assert cached is not None
         dec.stall_s += self.cfg.cost.prefill_per_token_s * (prompt_tokens - int(cached[w]))
         dec.queue.append(r)
         if not dec.busy:
@@ -221,7 +251,10 @@ class _Run:
         self.prefill_loads[w] -= 1
         self.prefill_queued[w] -= int(self.turns.prompts[r].size - self.cached[r])
         self.prefill_caches[w].insert(self.hashes[r])
-        self.route_decode(r, t)
+        if self.worker[r] >= 0:  # chosen at arrival
+            self.pull(r, t)
+        else:
+            self.route_decode(r, t)
 
     # -- decode ----------------------------------------------------------------------
     def route_decode(self, r: int, t: float) -> None:
@@ -233,13 +266,23 @@ class _Run:
                                  inputs.counts, prompt_tokens=prompt_tokens,
                                  cached_tokens=cached,
                                  output_tokens=int(self.turns.answers[r].size))
+        self.dispatch_decode(r, request)
+        self.pull(r, t)
+
+    def dispatch_decode(self, r: int, request: RoutingRequest) -> None:
         w = int(self.policy.choose(request))
         if not 0 <= w < self.cfg.num_decode:
             raise EldrError(f"policy {self.policy.name} chose decode worker {w}")
         self.policy.on_dispatch(w, request, r)
         self.decode_loads[w] += 1
         self.worker[r] = w
-        pulled = prompt_tokens - int(cached[w])
+
+    def pull(self, r: int, t: float) -> None:
+        """The decode worker pulls the prompt tokens it lacks now (its cache may have moved
+        since it was chosen at arrival)."""
+        w = int(self.worker[r])
+        pulled = int(self.turns.prompts[r].size) - int(self._cached_tokens(
+            [self.decoders[w].cache], r)[0])
         self.pulled[r] = pulled
         pull_s = self.cfg.kv_transfer_base_s + self.cfg.cost.kv_transfer_per_token_s * pulled
         self._push(t + pull_s, _KV_DONE, r)
@@ -257,6 +300,7 @@ class _Run:
         while dec.queue and dec.batch < self.cfg.max_batch:
             r = dec.queue.popleft()
             lm = self.profiles.log_complement(int(self.turns.row[r]))
+            self.turn_distinct[r] = -dec.distinct_sum  # its steps' sum, completed at its end
             self.log_miss[r] = lm
             dec.union.add(lm)
             dec.batch += 1
@@ -267,6 +311,7 @@ class _Run:
             return
         distinct = dec.union.draw(float(self.noise.standard_normal()))
         self.distinct.append(distinct)
+        dec.distinct_sum += distinct
         c = self.work
         dec.busy = True
         stall, dec.stall_s = dec.stall_s, 0.0
@@ -285,6 +330,8 @@ class _Run:
             self.decode_loads[w] -= 1
             self.policy.on_complete(w, r)
             self.done[r] = t
+            self.turn_distinct[r] = (self.turn_distinct[r] + dec.distinct_sum) / max(
+                int(self.turns.answers[r].size), 1)
             dec.cache.insert(self.answer_hashes[r])
             nxt = r + 1
             if nxt < len(self.turns) and self.turns.conversation[nxt] == self.turns.conversation[r]:
@@ -305,7 +352,33 @@ class _Run:
         if np.isnan(self.done).any():
             raise AssertionError("simulation ended with unfinished turns")
         return ConversationOutcome(self.arrival, self.first, self.done, self.cached,
-                                   self.prefill_of, self.pulled, np.asarray(self.distinct))
+                                   self.prefill_of, self.pulled, np.asarray(self.distinct),
+                                   self.turn_distinct)
+
+
+class _ArrivalCounts:
+    """A turn's signature at arrival as the simulator models it.
+
+    The simulator gives a conversation one signature row for all its turns and its token ids
+    carry no routing, so: the cached prefix's exact counts (``stages.routing.arrival_signature``
+    sums the blocks' expert events) are modelled as the cached share of the turn's prefill
+    counts (a conversation routes alike along its prompt), and the uncached tail as the token
+    predictor with no token-specific offsets predicts it: the dataset's mean routing per token
+    over the tail's share. That is the predictor's worst case; one fit on real prompts does
+    better on the tail (``eldr fit`` prints by how much).
+    """
+
+    def __init__(self, arrays: SignatureArrays, turns: SimTurns) -> None:
+        prefill = np.asarray(arrays.prefill_counts, dtype=np.float64)
+        total = prefill.sum(axis=0)
+        self.mean_share = total / max(float(total.sum()), 1.0)  # [L, E], sums to 1
+        self.prefill, self.turns = prefill, turns
+
+    def __call__(self, r: int, cached_tokens: int) -> np.ndarray:
+        counts = self.prefill[int(self.turns.row[r])]
+        cached = cached_tokens / max(int(self.turns.prompts[r].size), 1)
+        tail = (1.0 - cached) * float(counts.sum()) * self.mean_share
+        return np.rint(cached * counts + tail).astype(np.int32)
 
 
 def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,

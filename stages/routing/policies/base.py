@@ -92,6 +92,12 @@ class DecodePolicy(ABC):
         (every decode worker's cached tokens, every prefill worker's) when it cannot."""
         return False
 
+    @property
+    def decodes_at_arrival(self) -> bool:
+        """Whether the decode worker is chosen when the request arrives, on its signature at
+        arrival (``routing.arrival_signature``), not after its prefill on the prefill's."""
+        return False
+
     def choose_local(self, request: RoutingRequest, prefill: PrefillRequest) -> int | None:
         """At a request's arrival, before any prefill: the decode worker that should prefill
         it itself (it holds nearly all of the prompt), or None to prefill on a prefill worker

@@ -48,6 +48,9 @@ DEFAULT_OUTPUT_TOKENS = 256
 # p99 1.23x and TPOT p99 1.04x (local prefills pile up on a worker's next step); at 10 and 16
 # conversations/s under 5% went local and nothing moved (docs/results.md).
 DEFAULT_LOCAL_PREFILL_BELOW = 0
+# When the decode worker is chosen: after prefill, from its signature (the paper's rule), or
+# at arrival, from the signature at arrival (``stages.routing.arrival_signature``).
+DECODE_CHOICES = ("after-prefill", "arrival")
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,19 @@ class KVParams(UnionParams):
                                       " request itself (no prefill worker, no KV hand-off) when"
                                       " it lacks fewer than this many of its prompt tokens and"
                                       " that is cheaper; 0: never")
+    decode_choice: str = option(DECODE_CHOICES[0], "when the decode worker is chosen:"
+                                " 'after-prefill' (from the prefill's signature) or 'arrival'"
+                                " (from the cached prefix's expert counts plus the token"
+                                " predictor's estimate of the rest)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.local_prefill_below < 0:
             raise ParamError("local_prefill_below", "local_prefill_below must be >= 0, got"
                              f" {self.local_prefill_below}")
+        if self.decode_choice not in DECODE_CHOICES:
+            raise ParamError("decode_choice", f"decode_choice must be one of"
+                             f" {', '.join(DECODE_CHOICES)}, got {self.decode_choice!r}")
         if self.output_tokens < 1:
             raise ParamError("output_tokens", f"output_tokens must be >= 1, got"
                              f" {self.output_tokens}")
@@ -108,6 +118,10 @@ class EldrKvPolicy(EldrUnionPolicy):
     @property
     def prefills_locally(self) -> bool:
         return self.params.local_prefill_below > 0
+
+    @property
+    def decodes_at_arrival(self) -> bool:
+        return self.params.decode_choice == "arrival"
 
     def choose_local(self, request: RoutingRequest, prefill: PrefillRequest) -> int | None:
         cap = self.params.local_prefill_below
