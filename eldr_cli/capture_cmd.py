@@ -45,10 +45,11 @@ def capture(
 ) -> None:
     """Run prompts through vLLM with eldr's plugin and store each request's prefill signature
     and decode-time expert counts. Re-running resumes: stored ids are skipped."""
-    from stages.capture.runner import CaptureConfig
+    from stages.capture.runner import CaptureConfig, EngineProbe
     from stages.capture.runner import capture as run_capture
     from stages.models import resolve_model
     from stages.prompts import load_prompts
+    from stages.serve.proxy.ops.self_check import PROBE_PROMPT, check_signature
 
     items = load_prompts(prompts or paths.CALIBRATION_PROMPTS)
     resolved = resolve_model(model)
@@ -63,8 +64,9 @@ def capture(
     with output_to_file(log_path) as console:
         try:
             with tqdm(total=len(items), unit="prompt", desc="capture", file=console) as bar:
-                summary = run_capture(resolved, items, out, config, progress=bar.update,
-                                      status=bar.set_description_str)
+                summary = run_capture(resolved, items, out, config,
+                                      EngineProbe(PROBE_PROMPT, check_signature),
+                                      progress=bar.update, status=bar.set_description_str)
         except EldrError:
             raise
         except Exception as exc:

@@ -31,8 +31,9 @@ def family_prompts() -> list[Prompt]:
 
 
 def main(mode: str, root: Path, names: list[str]) -> None:
-    from stages.capture.runner import CaptureConfig, capture
+    from stages.capture.runner import CaptureConfig, EngineProbe, capture
     from stages.models import resolve_model
+    from stages.serve.proxy.ops.self_check import PROBE_PROMPT, check_signature
 
     config = CaptureConfig(max_tokens=MAX_TOKENS, batch_size=1, max_num_seqs=4,
                            enforce_eager=mode == "eager")
@@ -43,7 +44,8 @@ def main(mode: str, root: Path, names: list[str]) -> None:
         os.environ["ELDR_TRACE_DIR"] = str(work / "trace")
         started = time.perf_counter()
         try:
-            capture(resolve_model(str(model_dir)), family_prompts(), work / "sig.zarr", config)
+            capture(resolve_model(str(model_dir)), family_prompts(), work / "sig.zarr", config,
+                    EngineProbe(PROBE_PROMPT, check_signature))
             results[family.name] = {"ok": True}
         except EldrError as exc:  # recorded for the test to report, not hidden
             results[family.name] = {"ok": False, "error": str(exc)}

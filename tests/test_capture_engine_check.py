@@ -8,15 +8,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stages.capture.runner import check_engine_records
+from stages.capture.runner import EngineProbe, check_engine_records
 from stages.errors import EldrError
-from stages.serve.proxy.self_check import PROBE_PROMPT
+from stages.serve.proxy.ops.self_check import PROBE_PROMPT, check_signature
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 from tests.conftest import requires_vllm
 
 pytestmark = requires_vllm
 MODEL = SimpleNamespace(identity=ModelIdentity("m", 2, 4, 2, (1, 2)))
+# What `eldr capture` hands the runner.
+PROBE = EngineProbe(PROBE_PROMPT, check_signature)
 
 
 class Engine:
@@ -34,7 +36,7 @@ class Engine:
 
 def test_an_engine_that_records_passes() -> None:
     engine = Engine(wire.encode(np.full((2, 4), 3, np.int32), (1, 2)))
-    check_engine_records(engine, MODEL)
+    check_engine_records(engine, MODEL, PROBE)
     assert engine.prompts == [PROBE_PROMPT]
 
 
@@ -48,4 +50,4 @@ def test_an_engine_that_records_passes() -> None:
 )
 def test_an_engine_that_records_wrong_is_refused(params: Any, message: str) -> None:
     with pytest.raises(EldrError, match=message):
-        check_engine_records(Engine(params), MODEL)
+        check_engine_records(Engine(params), MODEL, PROBE)

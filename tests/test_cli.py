@@ -111,7 +111,7 @@ def test_capture_defaults_reach_the_runner(monkeypatch: pytest.MonkeyPatch, tmp_
 
     seen = {}
 
-    def fake_capture(model, prompts, out, config, progress=None, status=None):  # type: ignore[no-untyped-def]
+    def fake_capture(model, prompts, out, config, probe, progress=None, status=None):  # type: ignore[no-untyped-def]
         seen.update(model=model, prompts=prompts, out=out, config=config)
         # vLLM's engine processes write to the inherited descriptors, not to sys.stdout.
         os.write(2, b"a vLLM log line that must not reach the terminal\n")
@@ -468,7 +468,7 @@ class _Serving:
         monkeypatch.setenv("ELDR_HOME", str(tmp_path))
 
     def checked(self) -> list[str]:
-        from stages.serve.proxy.self_check import PROBE_PROMPT
+        from stages.serve.proxy.ops.self_check import PROBE_PROMPT
 
         return [b.name for b in self.behaviors
                 if any(r.body.get("prompt") == PROBE_PROMPT for r in b.received)]

@@ -21,7 +21,12 @@ from stages.models import ResolvedModel, check_built_layers
 from stages.procs.watchdog import Watchdog
 from stages.prompts import Prompt
 from stages.signature import wire
-from stages.signature.dataset import CaptureRecord, SignatureDataset, prompt_digest
+from stages.signature.dataset import (
+    CaptureRecord,
+    ModelIdentity,
+    SignatureDataset,
+    prompt_digest,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,17 @@ class CaptureConfig:
 
 
 @dataclass(frozen=True)
+class EngineProbe:
+    """The serve self-check, as capture's engine takes it before recording: the prompt it
+    sends and the judge of the ``kv_transfer_params`` that come back (raises ``EldrError``).
+    `eldr capture` hands in the proxy's (``stages.serve.proxy.ops.self_check``): capture sits
+    below serve, so the two never disagree and capture never imports serve."""
+
+    prompt: str
+    check: Callable[[str, dict[str, Any] | None, ModelIdentity], None]
+
+
+@dataclass(frozen=True)
 class CaptureSummary:
     path: Path
     captured: int
@@ -52,11 +68,12 @@ def capture(
     prompts: Sequence[Prompt],
     out: Path,
     config: CaptureConfig,
+    probe: EngineProbe,
     progress: Callable[[int], None] | None = None,
     status: Callable[[str], None] | None = None,
 ) -> CaptureSummary:
-    """Capture the prompts not yet in ``out``; ``progress`` hears of finished prompts and
-    ``status`` of the phase (engine start-up, capturing)."""
+    """Capture the prompts not yet in ``out``, once the engine passed ``probe``; ``progress``
+    hears of finished prompts and ``status`` of the phase (engine start-up, capturing)."""
     from stages.vllm_compat import check_vllm
 
     vllm_version = check_vllm()
@@ -77,7 +94,7 @@ def capture(
             if status is not None:
                 status("capture")
             try:
-                check_engine_records(engine, model)  # before anything is recorded
+                check_engine_records(engine, model, probe)  # before anything is recorded
                 for batch in _batches(todo, config.batch_size):
                     dataset.append(_run_batch(engine, model, batch, config))
                     if progress is not None:
@@ -113,16 +130,14 @@ def _start_engine(model: ResolvedModel, config: CaptureConfig) -> Any:
     )
 
 
-def check_engine_records(engine: Any, model: ResolvedModel) -> None:
+def check_engine_records(engine: Any, model: ResolvedModel, probe: EngineProbe) -> None:
     """The serve self-check on capture's own engine, before anything is recorded: its known
     prompt must come back with a signature of the model's shape, every MoE layer counted."""
     from vllm import SamplingParams
 
-    from stages.serve.proxy.self_check import PROBE_PROMPT, check_signature
-
-    probe = SamplingParams(max_tokens=1, temperature=0.0)
-    output = engine.generate([PROBE_PROMPT], probe, use_tqdm=False)[0]
-    check_signature("eldr capture's vLLM engine", output.kv_transfer_params, model.identity)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    output = engine.generate([probe.prompt], greedy, use_tqdm=False)[0]
+    probe.check("eldr capture's vLLM engine", output.kv_transfer_params, model.identity)
 
 
 def _stop_engine(engine: Any) -> None:
