@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from stages.capture.expert_events import BlockExperts as BlockEvent
-from stages.capture.expert_events import ExpertBatch, ExpertEventPublisher
+from stages.capture.expert_events import ExpertEventPublisher
 from stages.capture.ledger import SignatureLedger
 from stages.capture.messages import StepPlan, StepReport
 from stages.errors import EldrError
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.kv.block_hashes import external_hash
-from stages.serve.proxy.kv_events import KVEventSource, follow_kv_events
+from stages.routing.kv.expert_messages import BlockExperts as BlockEvent
+from stages.routing.kv.expert_messages import ExpertBatch
+from stages.serve.proxy.view.kv_events import KVEventSource, follow_kv_events
 from tests.test_capture_parts import end, recorder_with_layers
 
 

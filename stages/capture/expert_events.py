@@ -2,17 +2,14 @@
 
 Beside vLLM's KV events (which say which blocks a worker holds), a worker whose connector is
 configured with ``publish_experts`` (an endpoint in ``kv_connector_extra_config``) publishes,
-for every KV block that becomes full, the block's hash as vLLM's KV events carry it (the int
-form, ``external_hash``) and its expert counts: ``[l, e]`` = tokens of that block whose top-k
-picked expert ``e`` in MoE layer ``l`` (a signature's units; a prompt's signature is the sum of
-its blocks'). A router then knows the signature of every cached prefix before its request runs.
+for every KV block that becomes full, the block's hash as vLLM's KV events carry it and its
+expert counts (the message: ``stages.routing.kv.expert_messages``). A router then knows the
+signature of every cached prefix before its request runs.
 
 The transport is vLLM's own ``ZmqEventPublisher`` (PUB ``(topic, seq, payload)``, the last
 batches replayed on a ROUTER socket), so a follower repairs gaps exactly as it does for KV
-events (``stages.serve.proxy.kv_events``). It runs its own thread: the scheduler only queues
-a batch. Counts travel as ``uint8`` (one token picks an expert at most once per layer, so a
-count never exceeds the block size) or ``uint16`` for blocks over 255 tokens: 6 KiB per block
-for a Qwen3-30B-A3B-shaped model (48 MoE layers x 128 experts).
+events (``stages.serve.proxy.view.kv_events``). It runs its own thread: the scheduler only
+queues a batch.
 """
 
 from __future__ import annotations
@@ -20,54 +17,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
 import numpy as np
+
+from stages.routing.kv.expert_messages import BlockExperts, ExpertBatch
 
 # kv_connector_extra_config key: the ZMQ endpoint a worker publishes its expert events on.
 PUBLISH_EXPERTS_KEY = "publish_experts"
 TOPIC = "eldr-experts"
-
-
-class BlockExperts(msgspec.Struct, array_like=True, tag=True, gc=False):
-    """One stored block: its external hash and its counts, ``layers x experts`` little-endian
-    unsigned integers of ``len(counts) // (layers * experts)`` bytes each, row-major."""
-
-    block_hash: int
-    layers: int
-    experts: int
-    counts: bytes
-
-    @classmethod
-    def of(cls, block_hash: int, counts: np.ndarray) -> BlockExperts:
-        dtype = "<u1" if int(counts.max(initial=0)) <= 0xFF else "<u2"
-        layers, experts = counts.shape
-        return cls(block_hash, int(layers), int(experts), counts.astype(dtype).tobytes())
-
-    def table(self) -> np.ndarray:
-        """The counts ``[L, E]`` as they travel (uint8 or uint16, read-only); raises
-        ValueError when they do not fit the shape."""
-        cells = self.layers * self.experts
-        if cells <= 0 or len(self.counts) not in (cells, 2 * cells):
-            raise ValueError(f"block {self.block_hash}: {len(self.counts)} bytes of counts for"
-                             f" {self.layers} x {self.experts}")
-        dtype = "<u1" if len(self.counts) == cells else "<u2"
-        return np.frombuffer(self.counts, dtype=dtype).reshape(self.layers, self.experts)
-
-
-class ExpertBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A batch as vLLM's ``EventBatch`` frames it: ``[ts, events, data_parallel_rank]``."""
-
-    ts: float
-    events: list[BlockExperts]
-    data_parallel_rank: int | None = None
-
-
-_DECODER = msgspec.msgpack.Decoder(ExpertBatch)
-
-
-def decode_batch(payload: bytes) -> ExpertBatch:
-    """Raises msgspec.DecodeError on anything but an expert batch."""
-    return _DECODER.decode(payload)
 
 
 class ExpertEventPublisher:

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from stages.capture.expert_events import decode_batch
 from stages.errors import EldrError
+from stages.routing.kv.expert_messages import decode_batch
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS = 50_000
-# As the KV event follower (stages.serve.proxy.kv_events): a seq this far behind the last one
+# As the KV event follower (stages.serve.proxy.view.kv_events): a seq this far behind the last one
 # is a restarted publisher's, not a late duplicate.
 RESTART_DISTANCE = 20_000
 
@@ -82,7 +82,7 @@ class BlockExperts:
 
 class ExpertEventsView:
     """Feeds one :class:`BlockExperts` from the expert events of ``num_workers`` workers; the
-    follower of ``stages.serve.proxy.kv_events`` drives it as it drives a KV view (``apply``,
+    follower of ``stages.serve.proxy.view.kv_events`` drives it as it drives a KV view (``apply``,
     ``gap``, ``malformed``, ``last_seq``), with the same replay of missed batches."""
 
     def __init__(self, num_workers: int, index: BlockExperts) -> None:
