@@ -19,10 +19,10 @@ def replay_and_validate(result_dirs: list[Path], data: Path | None, store: Path 
     ``cost`` defaults to each folder's measured ``cost-model.json``."""
     import orjson
 
-    from stages.bench.plots import plot_validation
     from stages.bench.replay.replay_run import replay_run, store_beside
     from stages.bench.replay.saved_run import results_folder
     from stages.bench.replay.validation import format_validation, validate, validation_json
+    from stages.bench.replay.validation_plot import plot_validation
     from stages.routing.cost_model import cost_model_for
     from stages.signature.dataset import SignatureDataset
 

@@ -164,8 +164,8 @@ def _locality_sweep(config: SimConfig, dataset: SignatureDataset, arrays: Signat
                     echo: Callable[[str], None]) -> None:
     import orjson
 
-    from stages.bench.plots import plot_locality_dial
     from stages.bench.results import rate_label
+    from stages.bench.sim.dial_plot import plot_locality_dial
     from stages.bench.sim.locality_sweep import (
         format_dial,
         locality_gauge,
