@@ -1,0 +1,18 @@
+"""The written order of the stages holds (pyproject.toml, ``[tool.importlinter]``): no module
+imports from a stage above its own, and no two parts of a package import each other."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_stages_keep_their_written_order_and_import_no_cycle() -> None:
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 2 kept, 0 broken." in result.stdout
