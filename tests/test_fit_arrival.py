@@ -277,7 +277,7 @@ def test_fit_prints_the_gain_kept_at_arrival_and_stores_the_predictor(tmp_path: 
         after, arrival, kept = float(row[1][:-1]), float(row[2][:-1]), float(row[3][:-1])
         # The counts are exactly per-token: the predictor keeps nearly all of the gain.
         assert after < -1 and arrival < 0 and 90 <= kept <= 110
-    assert "lies between the two columns" in out[head + 4]
+    assert "with a cached prefix: not measured (no captured prompt extends another" in out[head + 4]
     artifact = ArtifactStore(store).load()
     assert artifact.token_predictor is not None
     assert artifact.metrics["expected_gain"]["arrival"]["predictor"]["loo_r2"] > 0.99

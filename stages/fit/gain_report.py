@@ -55,34 +55,45 @@ def gain_lines(gain: dict[str, Any], k: int) -> list[str]:
 
 
 def arrival_lines(arrival: dict[str, Any]) -> list[str]:
-    """The gain kept by a signature made at arrival: a row per batch size, the two ends (no
-    cached prefix, all of it cached, i.e. the prefill signature) measured."""
+    """The gain kept by a signature made at arrival: a row per batch size, with nothing cached
+    and, where the capture holds prompts that extend others, with their cached prefix."""
     if "skipped" in arrival:
         return [f"signature at arrival: not measured: {arrival['skipped']}"]
     predictor = arrival["predictor"]
+    with_prefix = "label_agreement_cached" in arrival
     lines = [
         "signature at arrival (token predictor: per-token mean routing over"
         f" {predictor['tokens']} tokens, leave-one-out R^2 {predictor['loo_r2']:.2f};"
         " cross-fitted, the predictor fit without the request), change in distinct"
         " experts/layer/step:",
-        f"  {'batch':>5}  {'after prefill':>13}  {'arrival, nothing cached':>23}  {'kept':>5}",
+        f"  {'batch':>5}  {'after prefill':>13}  {'arrival, nothing cached':>23}  {'kept':>5}"
+        + (f"  {'arrival, cached prefix':>22}  {'kept':>5}" if with_prefix else ""),
     ]
     for row in arrival["batches"]:
         if "skipped" in row:
             lines.append(f"  {row['batch_size']:>5}  not estimated: {row['skipped']}")
             continue
-        kept = f"{row['kept']:.0%}" if "kept" in row else "-"
-        lines.append(
-            f"  {row['batch_size']:>5}  {row['prefill_change']:>+13.1%}"
-            f"  {row['arrival_change']:>+23.1%}  {kept:>5}"
-        )
-    lines.append(
-        f"  {arrival['label_agreement']:.0%} of requests land in their prefill signature's"
-        " cluster; with a cached prefix (exact counts) the arrival signature lies between the"
-        " two columns: the capture holds whole-prompt counts only, so no prefix split is"
-        " measured"
-    )
+        line = (f"  {row['batch_size']:>5}  {row['prefill_change']:>+13.1%}"
+                f"  {row['arrival_change']:>+23.1%}  {_share(row.get('kept')):>5}")
+        if with_prefix and "arrival_cached_change" in row:
+            line += (f"  {row['arrival_cached_change']:>+22.1%}"
+                     f"  {_share(row.get('kept_cached')):>5}")
+        lines.append(line)
+    agreement = (f"  {arrival['label_agreement']:.0%} of requests land in their prefill"
+                 " signature's cluster with nothing cached")
+    if with_prefix:
+        lines.append(agreement + f", {arrival['label_agreement_cached']:.0%} with a cached"
+                     " prefix (a request extending another captured prompt, as a"
+                     " conversation's next turn: that prompt's exact counts, the rest"
+                     " predicted)")
+    else:
+        lines.append(agreement + "; with a cached prefix: not measured (no captured prompt"
+                     " extends another, as a conversation's next turn would)")
     return lines
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _stability_note(gain: dict[str, Any], k: int) -> list[str]:
