@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from stages.bench.live.worker_metrics import metrics_url
+from stages.bench.live.worker_metrics import metrics_url, scrape_metrics_pages
 from stages.errors import EldrError
 
 QUERIES = "vllm:prefix_cache_queries"
@@ -120,17 +120,9 @@ def cache_counters(text: str) -> CacheCounters:
 
 async def scrape_cache_counters(client: httpx.AsyncClient, worker_urls: Iterable[str],
                                 timeout_s: float = 10.0) -> dict[str, CacheCounters]:
-    """One scrape of every worker; an unreachable worker is an error (a lost worker's
-    counters would silently change the shares)."""
-    out = {}
-    for url in worker_urls:
-        try:
-            response = await client.get(metrics_url(url), timeout=timeout_s)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            raise EldrError(f"cannot read {metrics_url(url)}: {exc}") from exc
-        out[url] = cache_counters(response.text)
-    return out
+    """One scrape of every worker's cache counters (``scrape_metrics_pages``)."""
+    pages = await scrape_metrics_pages(client, worker_urls, timeout_s)
+    return {url: cache_counters(text) for url, text in pages.items()}
 
 
 def deltas(before: Mapping[str, CacheCounters], after: Mapping[str, CacheCounters]

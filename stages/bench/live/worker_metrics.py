@@ -207,17 +207,24 @@ def metrics_url(worker_url: str) -> str:
     return worker_url.rstrip("/") + "/metrics"
 
 
-async def scrape_decode_counters(
-    client: httpx.AsyncClient, worker_urls: Iterable[str], timeout_s: float = 10.0
-) -> dict[str, DecodeCounters | None]:
-    """One scrape of every worker. An unreachable worker is an error: a benchmark that
-    silently lost a worker's counters would report a wrong cluster mean."""
-    out: dict[str, DecodeCounters | None] = {}
+async def scrape_metrics_pages(client: httpx.AsyncClient, worker_urls: Iterable[str],
+                               timeout_s: float = 10.0) -> dict[str, str]:
+    """Every worker's ``/metrics`` page, once. An unreachable worker is an error: a benchmark
+    that silently lost a worker's counters would report a wrong cluster figure."""
+    out: dict[str, str] = {}
     for url in worker_urls:
         try:
             response = await client.get(metrics_url(url), timeout=timeout_s)
             response.raise_for_status()
         except httpx.HTTPError as exc:
             raise EldrError(f"cannot read {metrics_url(url)}: {exc}") from exc
-        out[url] = decode_counters(parse_prometheus_text(response.text))
+        out[url] = response.text
     return out
+
+
+async def scrape_decode_counters(
+    client: httpx.AsyncClient, worker_urls: Iterable[str], timeout_s: float = 10.0
+) -> dict[str, DecodeCounters | None]:
+    """One scrape of every worker's decode counters (``scrape_metrics_pages``)."""
+    pages = await scrape_metrics_pages(client, worker_urls, timeout_s)
+    return {url: decode_counters(parse_prometheus_text(text)) for url, text in pages.items()}
