@@ -71,14 +71,7 @@ def format_comparison(
         row = [name, *(_fmt(m.get(c.key)) for c in COLUMNS)]
         row += [_fmt(ratios[name][c.key]) for c in OVER_BEST]
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [title] if title else []
-    for i, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])]
-        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = ([title] if title else []) + _table(rows)
     notes = []
     for metric in OVER_BEST:
         best = best_baseline(metrics, metric.key, baselines)
@@ -101,14 +94,7 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
     rows = [header]
     for name, m in metrics.items():
         rows.append([name, *(_fmt(_number(m.get(c.key))) for c in CONVERSATION_METRICS)])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [title] if title else []
-    for i, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])]
-        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = ([title] if title else []) + _table(rows)
     for name, m in metrics.items():
         per_worker = m.get("prefill_hit_share_by_worker")
         if isinstance(per_worker, list) and per_worker:
@@ -119,6 +105,20 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
                  " worker holding its history; D pulled = prompt tokens the decode workers"
                  " pulled over the KV connector")
     return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """``rows`` (the header first) as fixed-width lines: names left, figures right, a rule
+    under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
 
 
 def _number(value: object) -> float | None:
