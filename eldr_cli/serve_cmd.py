@@ -142,7 +142,7 @@ def serve(
     Ctrl-C or SIGTERM stops everything started, and so does this process's death."""
     from stages import paths
     from stages.serve import deploy
-    from stages.serve.proxy.recording import RecordConfig
+    from stages.serve.proxy.recording.recorder import RecordConfig
 
     if not record and (record_to is not None or record_rate != 1.0 or record_prompts):
         raise EldrError("--record-to, --record-rate and --record-prompts go with --record")

@@ -220,7 +220,7 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
                     tokens: int) -> tuple[int, int, int, list[float]]:
     # eldr's own upstream client: a fraction of aiohttp's CPU per request, which the router
     # under test would otherwise lose to the load generator.
-    from stages.serve.proxy.http1 import Http1Client, Timeouts, UpstreamError
+    from stages.serve.proxy.legs.http1 import Http1Client, Timeouts, UpstreamError
 
     stream = workload != "plain"
     bodies = [json.dumps({"model": "fake-model", "prompt": f"domain={d} benchmark prompt",

@@ -129,7 +129,7 @@ def without_probe(traced: np.ndarray, model_dir: Path) -> np.ndarray:
     `eldr capture` runs on its engine before recording (``check_engine_records``)."""
     from transformers import AutoTokenizer
 
-    from stages.serve.proxy.self_check import PROBE_PROMPT
+    from stages.serve.proxy.ops.self_check import PROBE_PROMPT
 
     probe = len(AutoTokenizer.from_pretrained(model_dir)(PROBE_PROMPT)["input_ids"])
     return traced[:, probe:]

@@ -23,7 +23,7 @@ import zmq
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.kv.block_hashes import BlockHasher
 from stages.routing.kv.endpoints import replay_endpoint
-from stages.serve.proxy.kv_events import END_SEQ
+from stages.serve.proxy.view.kv_events import END_SEQ
 from stages.signature import wire
 from tests.conftest import free_port, requires_vllm
 

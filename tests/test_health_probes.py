@@ -9,9 +9,9 @@ from collections.abc import Awaitable, Callable, Iterator
 import aiohttp
 import pytest
 
-from stages.serve.proxy.health import Prober
-from stages.serve.proxy.upstream import leg_timeout
-from stages.serve.proxy.workers import WorkerPool
+from stages.serve.proxy.legs.upstream import leg_timeout
+from stages.serve.proxy.ops.health import Prober
+from stages.serve.proxy.view.workers import WorkerPool
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 
 

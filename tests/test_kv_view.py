@@ -18,7 +18,7 @@ from stages.routing.kv.block_index import BlockIndex
 from stages.routing.kv.endpoints import replay_endpoint
 from stages.serve.proxy import create_app
 from stages.serve.proxy.config import KVConfig
-from stages.serve.proxy.kv_events import KVEventSource, KVView, follow_kv_events
+from stages.serve.proxy.view.kv_events import KVEventSource, KVView, follow_kv_events
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 from tests.test_proxy import fast_config, wait_until
 

@@ -19,12 +19,12 @@ import pytest
 
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.proxy import create_app
-from stages.serve.proxy.answer import Stream
-from stages.serve.proxy.batch_merge import Renames, merge_streams, merge_usage
-from stages.serve.proxy.batch_split import Part, prompts_of, split
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.payloads import prompt_key
-from stages.serve.proxy.request_body import RequestFields
+from stages.serve.proxy.front.answer import Stream
+from stages.serve.proxy.front.batch_merge import Renames, merge_streams, merge_usage
+from stages.serve.proxy.front.batch_split import Part, prompts_of, split
+from stages.serve.proxy.front.payloads import prompt_key
+from stages.serve.proxy.front.request_body import RequestFields
 from stages.serve.proxy.state import ProxyState
 from stages.signature import wire
 from tests.fakes.artifact import domain_artifact

@@ -8,8 +8,8 @@ import pytest
 import uvicorn
 
 from stages.serve.proxy import create_app
-from stages.serve.proxy.admission import admit
 from stages.serve.proxy.app import DrainingServer
+from stages.serve.proxy.front.admission import admit
 from tests.test_proxy import fast_config
 
 

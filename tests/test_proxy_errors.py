@@ -439,7 +439,7 @@ class Records(logging.Handler):
 @pytest.fixture
 def error_log() -> Iterator[Records]:
     # On the logger itself: the proxy runs in another thread and "stages" may not propagate.
-    handler, logger = Records(), logging.getLogger("stages.serve.proxy.responses")
+    handler, logger = Records(), logging.getLogger("stages.serve.proxy.front.responses")
     logger.addHandler(handler)
     try:
         yield handler

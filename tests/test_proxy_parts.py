@@ -10,11 +10,11 @@ import pytest
 from stages.errors import EldrError
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.decode_router import DecodeRouter
-from stages.serve.proxy.payloads import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
-from stages.serve.proxy.prefill_router import PrefillRouter
-from stages.serve.proxy.sse import IncompleteEvent, is_done, whole_events
-from stages.serve.proxy.workers import WorkerPool
+from stages.serve.proxy.front.payloads import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
+from stages.serve.proxy.legs.decode_router import DecodeRouter
+from stages.serve.proxy.legs.prefill_router import PrefillRouter
+from stages.serve.proxy.legs.sse import IncompleteEvent, is_done, whole_events
+from stages.serve.proxy.view.workers import WorkerPool
 from stages.signature import wire
 from tests.fakes.artifact import domain_artifact
 from tests.fakes.worker import domain_signature

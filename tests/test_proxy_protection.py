@@ -12,10 +12,10 @@ import pytest
 
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
-from stages.serve.proxy.admission import Overloaded, admit
-from stages.serve.proxy.responses import ProxyError
+from stages.serve.proxy.front.admission import Overloaded, admit
+from stages.serve.proxy.front.responses import ProxyError
 from stages.serve.proxy.state import build_state
-from stages.serve.proxy.workers import Ejection, WorkerPool
+from stages.serve.proxy.view.workers import Ejection, WorkerPool
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 from tests.test_proxy import fast_config
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from stages.serve.proxy import create_app
-from stages.serve.proxy.recording import RecordConfig
+from stages.serve.proxy.recording.recorder import RecordConfig
 from stages.signature.dataset import SignatureDataset
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker

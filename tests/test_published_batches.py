@@ -16,7 +16,7 @@ import zmq
 
 from stages.capture.batch_publisher import REQUEST_TAG, BatchMessage, BatchPublisher, request_name
 from stages.serve.proxy import create_app
-from stages.serve.proxy.published_batches import PublishedBatches, follow_batches
+from stages.serve.proxy.view.published_batches import PublishedBatches, follow_batches
 from stages.signature import wire
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker

@@ -20,10 +20,11 @@ import pytest
 import zmq
 
 from stages.capture.batch_publisher import BatchPublisher, FinishedRequest
-from stages.serve.proxy import create_app, decode_leg
-from stages.serve.proxy.published_batches import PublishedBatches, follow_batches
-from stages.serve.proxy.recording import RecordConfig
-from stages.serve.proxy.responses import ProxyError
+from stages.serve.proxy import create_app
+from stages.serve.proxy.front.responses import ProxyError
+from stages.serve.proxy.legs import decode as decode_leg
+from stages.serve.proxy.recording.recorder import RecordConfig
+from stages.serve.proxy.view.published_batches import PublishedBatches, follow_batches
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 from tests.test_proxy import fast_config

@@ -1,4 +1,4 @@
-"""Workers rejoin rotation only after passing the self-check again (stages.serve.proxy.rejoin).
+"""Workers rejoin rotation only after passing the self-check again (stages.serve.proxy.ops.rejoin).
 
 Prober-level tests drive the health probes round by round against fake workers; one test runs
 the whole proxy to see the reason in /admin/state and /metrics; the last ones cover the
@@ -23,12 +23,12 @@ from starlette.testclient import TestClient
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.health import Prober
-from stages.serve.proxy.metrics import RestartCounts, no_restarts
-from stages.serve.proxy.rejoin import SelfChecks
-from stages.serve.proxy.self_check import PROBE_PROMPT
-from stages.serve.proxy.upstream import leg_timeout
-from stages.serve.proxy.workers import WorkerPool
+from stages.serve.proxy.legs.upstream import leg_timeout
+from stages.serve.proxy.ops.health import Prober
+from stages.serve.proxy.ops.metrics import RestartCounts, no_restarts
+from stages.serve.proxy.ops.rejoin import SelfChecks
+from stages.serve.proxy.ops.self_check import PROBE_PROMPT
+from stages.serve.proxy.view.workers import WorkerPool
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 from tests.fakes.worker import (

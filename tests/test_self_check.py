@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from stages.errors import EldrError
-from stages.serve.proxy import self_check
+from stages.serve.proxy.ops import self_check
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 

@@ -19,7 +19,7 @@ from stages.routing.policies import needs_centroids
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.cluster import launcher
 from stages.serve.proxy.config import KVConfig, ProxyConfig
-from stages.serve.proxy.recording import RecordConfig
+from stages.serve.proxy.recording.recorder import RecordConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -156,7 +156,7 @@ def plan(options: ServeOptions) -> ServePlan:
     from stages.procs.platform_check import require_process_ownership
     from stages.serve.cluster.engine_args import check_recordable, engine_args
     from stages.serve.cluster.ports import check_free
-    from stages.serve.proxy.auth import check_exposure
+    from stages.serve.proxy.front.auth import check_exposure
     from stages.vllm_compat import gate
 
     o = options
@@ -253,8 +253,8 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
     until SIGINT or SIGTERM; then stop everything started, whatever happened."""
     from stages.serve.cluster.supervisor import Supervisor
     from stages.serve.proxy.group import serve_group
-    from stages.serve.proxy.metrics import no_restarts
-    from stages.serve.proxy.self_check import (
+    from stages.serve.proxy.ops.metrics import no_restarts
+    from stages.serve.proxy.ops.self_check import (
         agreed_served_name,
         check_records_signatures,
         read_served_name,

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import httptools
 import orjson
 
-from stages.serve.proxy.self_check import PROBE_PROMPT
+from stages.serve.proxy.ops.self_check import PROBE_PROMPT
 from tests.fakes.worker import (
     FakeBehavior,
     _chunk,

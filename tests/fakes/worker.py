@@ -31,7 +31,7 @@ from stages.capture.batch_publisher import (
     BatchPublisher,
     request_name,
 )
-from stages.serve.proxy.self_check import PROBE_PROMPT
+from stages.serve.proxy.ops.self_check import PROBE_PROMPT
 from stages.signature import wire
 
 SIGNATURE_SHAPE = (4, 16)

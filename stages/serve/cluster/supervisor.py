@@ -4,7 +4,7 @@ One job: keep started worker processes running. A worker counts as ended when it
 exited, or when it has said for a few seconds that its engine died: vLLM's API server outlives
 a dead engine core, answering ``/health`` with 503, until a request happens to fail on it.
 Whether a worker gets traffic is the proxy's
-health probes' call (stages.serve.proxy.health): a restarted worker rejoins routing once its
+health probes' call (stages.serve.proxy.ops.health): a restarted worker rejoins routing once its
 ``/health`` answers, and a dead one leaves it at the next probe. The supervisor runs in a
 thread of the `eldr serve` process beside the proxy's event loop, so a restart (a process
 start) never blocks request handling; the proxy reads the restart counts for its metrics.

@@ -27,20 +27,20 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from threadpoolctl import threadpool_limits
 
-from stages.serve.proxy import admin, endpoints
-from stages.serve.proxy.artifact_source import ArtifactLoader, load_from_store
-from stages.serve.proxy.auth import auth_middleware
-from stages.serve.proxy.completions import chat_completions, completions
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.health import health_loop
-from stages.serve.proxy.kv_events import KVEventSource, follow_kv_events
-from stages.serve.proxy.metrics import RestartCounts, no_restarts
-from stages.serve.proxy.online_refit import FitFn, balanced_fit
-from stages.serve.proxy.published_batches import follow_batches
-from stages.serve.proxy.refit_task import refit_loop
-from stages.serve.proxy.responses import SERVER_SEND, InternalErrorMiddleware, http_error
+from stages.serve.proxy.front.auth import auth_middleware
+from stages.serve.proxy.front.completions import chat_completions, completions
+from stages.serve.proxy.front.responses import SERVER_SEND, InternalErrorMiddleware, http_error
+from stages.serve.proxy.legs.upstream import open_leg_client, open_session
+from stages.serve.proxy.ops import admin, endpoints
+from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.proxy.ops.health import health_loop
+from stages.serve.proxy.ops.metrics import RestartCounts, no_restarts
+from stages.serve.proxy.ops.online_refit import FitFn, balanced_fit
+from stages.serve.proxy.ops.refit_task import refit_loop
 from stages.serve.proxy.state import ProxyState, build_state
-from stages.serve.proxy.upstream import open_leg_client, open_session
+from stages.serve.proxy.view.kv_events import KVEventSource, follow_kv_events
+from stages.serve.proxy.view.published_batches import follow_batches
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from stages.errors import EldrError
 from stages.routing.policies import POLICIES, reads_signatures
 from stages.routing.policy_config import PolicyConfig
-from stages.serve.proxy.recording import RecordConfig
-from stages.serve.proxy.workers import Ejection
+from stages.serve.proxy.recording.recorder import RecordConfig
+from stages.serve.proxy.view.workers import Ejection
 
 if TYPE_CHECKING:
     from stages.signature.dataset import ModelIdentity
@@ -97,7 +97,7 @@ class ProxyConfig:
     refit_interval_s: float = 2.0
     seed: int = 0
     # The served model: a worker (re)joining rotation must first answer a self-check prompt
-    # with a signature of its shape (stages.serve.proxy.rejoin). None: no check (a proxy built by
+    # with a signature of its shape (proxy.ops.rejoin). None: no check (a proxy built by
     # hand, tests); eldr serve sets it unless --skip-self-check.
     self_check: ModelIdentity | None = None
     self_check_timeout_s: float = 120.0  # as the start-up check's (self_check.CHECK_TIMEOUT_S)
@@ -106,7 +106,7 @@ class ProxyConfig:
     # The address the proxy listens on: with no admin key, /admin is open on loopback only.
     host: str = "127.0.0.1"
     # Other proxies in front of the same workers (each one process, as its base URL): admin
-    # changes made here reach them, and /metrics here includes theirs (stages.serve.proxy.peers).
+    # changes made here reach them, and /metrics here includes theirs (proxy.view.peers).
     peers: tuple[str, ...] = ()
     # This proxy's name among its peers: the `proxy` label of the merged /metrics.
     proxy_id: str = "0"

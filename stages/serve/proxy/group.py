@@ -4,7 +4,7 @@ One Python process relays about one core's worth of requests and tokens; a clust
 more gets more processes. This process binds N listening sockets on the port with
 ``SO_REUSEPORT``, so the kernel spreads new connections over them, and a private loopback
 socket per process, through which the processes reach each other as peers (admin changes,
-merged ``/metrics``: ``stages.serve.proxy.peers``). Every socket is bound here, before any
+merged ``/metrics``: ``stages.serve.proxy.view.peers``). Every socket is bound here, before any
 process starts, so a port in use fails at once and no connection is ever refused while a
 process starts: the kernel queues it on its socket until that process accepts.
 
@@ -38,7 +38,7 @@ from stages.errors import EldrError
 from stages.procs.platform_check import owns_processes
 from stages.serve.proxy.app import run_proxy
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.metrics import RestartCounts, no_restarts
+from stages.serve.proxy.ops.metrics import RestartCounts, no_restarts
 
 log = logging.getLogger(__name__)
 

@@ -10,19 +10,19 @@ import aiohttp
 from stages.errors import EldrError
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.policies import needs_centroids
-from stages.serve.proxy.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.decode_router import DecodeRouter
-from stages.serve.proxy.http1 import Http1Client, Timeouts
-from stages.serve.proxy.kv_routing import KVRouting
-from stages.serve.proxy.metrics import ProxyMetrics, RestartCounts, no_restarts
-from stages.serve.proxy.online_refit import FitFn, OnlineRefitter, balanced_fit
-from stages.serve.proxy.prefill_router import PrefillRouter
-from stages.serve.proxy.published_batches import PublishedBatches
-from stages.serve.proxy.recording import TrafficRecorder
-from stages.serve.proxy.rejoin import SelfChecks
-from stages.serve.proxy.upstream import leg_limits, leg_timeout
-from stages.serve.proxy.workers import WorkerPool
+from stages.serve.proxy.legs.decode_router import DecodeRouter
+from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
+from stages.serve.proxy.legs.prefill_router import PrefillRouter
+from stages.serve.proxy.legs.upstream import leg_limits, leg_timeout
+from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.proxy.ops.metrics import ProxyMetrics, RestartCounts, no_restarts
+from stages.serve.proxy.ops.online_refit import FitFn, OnlineRefitter, balanced_fit
+from stages.serve.proxy.ops.rejoin import SelfChecks
+from stages.serve.proxy.recording.recorder import TrafficRecorder
+from stages.serve.proxy.view.kv_routing import KVRouting
+from stages.serve.proxy.view.published_batches import PublishedBatches
+from stages.serve.proxy.view.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ leases a worker of its own.
 
 from __future__ import annotations
 
-from stages.serve.proxy.responses import ProxyError
+from stages.serve.proxy.front.responses import ProxyError
 from stages.serve.proxy.state import ProxyState
 
 RETRY_AFTER_S = 1

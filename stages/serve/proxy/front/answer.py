@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from stages.serve.proxy.responses import RelayResponse
+from stages.serve.proxy.front.responses import RelayResponse
 
 
 @dataclass(frozen=True)

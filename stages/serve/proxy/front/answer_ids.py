@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import orjson
 
-from stages.serve.proxy.answer import Answer, Stream, Whole
+from stages.serve.proxy.front.answer import Answer, Stream, Whole
 
 
 def for_client(answer: Answer, own_id: str, client_id: str) -> Answer:

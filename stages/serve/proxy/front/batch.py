@@ -18,12 +18,12 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from stages.serve.proxy.answer import Answer, Stream, Whole
-from stages.serve.proxy.batch_merge import Renames, merge_streams, merge_wholes
-from stages.serve.proxy.batch_split import Part
-from stages.serve.proxy.decode_leg import hand_off, run_decode
-from stages.serve.proxy.prefill_leg import run_prefill
-from stages.serve.proxy.request_context import RequestContext
+from stages.serve.proxy.front.answer import Answer, Stream, Whole
+from stages.serve.proxy.front.batch_merge import Renames, merge_streams, merge_wholes
+from stages.serve.proxy.front.batch_split import Part
+from stages.serve.proxy.front.request_context import RequestContext
+from stages.serve.proxy.legs.decode import hand_off, run_decode
+from stages.serve.proxy.legs.prefill import run_prefill
 
 
 async def serve_batch(

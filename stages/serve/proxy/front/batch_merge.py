@@ -1,4 +1,4 @@
-"""Merging the answers of a split request (:mod:`stages.serve.proxy.batch_split`) into vLLM's one.
+"""Merging the answers of a split request (:mod:`.batch_split`) into vLLM's one.
 
 What one vLLM server answers for the whole request: one id, choices indexed ``p * n + i``,
 usage summed with each prompt counted once, no per-request ``metrics`` (vLLM leaves them out
@@ -17,10 +17,10 @@ from typing import Any
 import anyio
 import orjson
 
-from stages.serve.proxy.answer import Stream, Whole
-from stages.serve.proxy.batch_split import Part
-from stages.serve.proxy.responses import ProxyError
-from stages.serve.proxy.sse import DONE_EVENT, error_event
+from stages.serve.proxy.front.answer import Stream, Whole
+from stages.serve.proxy.front.batch_split import Part
+from stages.serve.proxy.front.responses import ProxyError
+from stages.serve.proxy.legs.sse import DONE_EVENT, error_event
 
 _SEP = b"\n\n"
 _DATA = b"data: "

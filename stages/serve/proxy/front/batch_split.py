@@ -5,7 +5,7 @@ for several prompts (``"prompt": [A, B]``) or several choices (``n > 1``) would 
 blocks to every sequence: B would continue A, and parallel choices would read blocks the
 prefill worker frees after the first read. So such a request becomes one sub-request per
 prompt and choice, each with its own prefill, hand-off and decode worker, and the answers are
-merged back (:mod:`stages.serve.proxy.batch_merge`).
+merged back (:mod:`stages.serve.proxy.front.batch_merge`).
 
 Indices and seeds follow vLLM: choice ``i`` of prompt ``p`` is ``p * n + i``, and choice ``i``
 of a seeded request samples with ``seed + i`` (vLLM's ``ParentRequest``), so a greedy or seeded
@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from stages.serve.proxy.request_body import RequestFields, bad_request, lax_int
-from stages.serve.proxy.responses import ProxyError
+from stages.serve.proxy.front.request_body import RequestFields, bad_request, lax_int
+from stages.serve.proxy.front.responses import ProxyError
 
 
 @dataclass(frozen=True)

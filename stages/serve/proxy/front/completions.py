@@ -1,7 +1,7 @@
 """``/v1/completions`` and ``/v1/chat/completions``: prefill, route, decode, relay.
 
 A request for one sequence (one prompt, one choice) goes through as it is; one for several is
-split into sub-requests of one sequence each (:mod:`stages.serve.proxy.batch_split`), since a KV
+split into sub-requests of one sequence each (:mod:`.batch_split`), since a KV
 hand-off carries one prompt once.
 """
 
@@ -14,24 +14,29 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from stages.serve.proxy.admission import (
+from stages.serve.proxy.front.admission import (
     RETRY_AFTER_S,
     Admission,
     ConnectionsExhausted,
     Shed,
     admit,
 )
-from stages.serve.proxy.answer import Answer, to_response
-from stages.serve.proxy.answer_ids import for_client
-from stages.serve.proxy.batch import serve_batch
-from stages.serve.proxy.batch_split import split
-from stages.serve.proxy.decode_leg import hand_off, run_decode, run_local
-from stages.serve.proxy.disconnect import unless_client_leaves
-from stages.serve.proxy.http1 import PoolExhausted
-from stages.serve.proxy.prefill_leg import run_prefill
-from stages.serve.proxy.request_body import JsonBody, RequestFields, check_request_body, read_body
-from stages.serve.proxy.request_context import RequestContext, request_context
-from stages.serve.proxy.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.front.answer import Answer, to_response
+from stages.serve.proxy.front.answer_ids import for_client
+from stages.serve.proxy.front.batch import serve_batch
+from stages.serve.proxy.front.batch_split import split
+from stages.serve.proxy.front.disconnect import unless_client_leaves
+from stages.serve.proxy.front.request_body import (
+    JsonBody,
+    RequestFields,
+    check_request_body,
+    read_body,
+)
+from stages.serve.proxy.front.request_context import RequestContext, request_context
+from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.legs.decode import hand_off, run_decode, run_local
+from stages.serve.proxy.legs.http1 import PoolExhausted
+from stages.serve.proxy.legs.prefill import run_prefill
 from stages.serve.proxy.state import ProxyState
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ The prefill leg asks vLLM for one token with ``do_remote_decode`` so the NixlCon
 KV blocks for a decode worker to pull; its response's ``kv_transfer_params`` say where they
 are (and carry the ELDR signature). The decode leg is the client's own request plus those
 params, unchanged except that the signature is left out. Reading and checking the body comes
-first, in :mod:`stages.serve.proxy.request_body`.
+first, in :mod:`stages.serve.proxy.front.request_body`.
 
 ``plan_legs`` shapes both once per (sub-)request into a ``Legs`` value that travels with the
 request: a decode retry needs the same prefill again, and the decode body only waits for the
@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from stages.capture.batch_publisher import RECORD_KEY, REQUEST_TAG
-from stages.serve.proxy.request_body import dump_json, lax_int
+from stages.serve.proxy.front.request_body import dump_json, lax_int
 from stages.signature import wire
 
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = MappingProxyType(

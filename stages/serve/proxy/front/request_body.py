@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from stages.serve.proxy.responses import ProxyError
+from stages.serve.proxy.front.responses import ProxyError
 
 # pydantic's lax str -> bool words (case-insensitive, not stripped).
 _TRUE_WORDS = frozenset(("1", "on", "t", "true", "y", "yes"))

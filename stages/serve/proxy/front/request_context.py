@@ -14,10 +14,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from stages.serve.proxy.admission import Admission
-from stages.serve.proxy.kv_routing import Prompt
-from stages.serve.proxy.payloads import Legs, plan_legs
+from stages.serve.proxy.front.admission import Admission
+from stages.serve.proxy.front.payloads import Legs, plan_legs
 from stages.serve.proxy.state import ProxyState
+from stages.serve.proxy.view.kv_routing import Prompt
 
 # Client headers worth carrying to the workers. Not Authorization: the client's key is the
 # proxy's to check, and workers get the proxy's own key (upstream.worker_headers).

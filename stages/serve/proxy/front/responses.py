@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stages.serve.proxy.disconnect import unless_client_leaves
+from stages.serve.proxy.front.disconnect import unless_client_leaves
 
 log = logging.getLogger(__name__)
 

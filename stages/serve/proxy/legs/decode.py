@@ -22,16 +22,22 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
-from stages.serve.proxy.answer import Answer, Stream, Whole
-from stages.serve.proxy.decode_router import NO_KV, Features, KVInputs
-from stages.serve.proxy.http1 import Response
-from stages.serve.proxy.prefill_leg import prefill_request, run_prefill
-from stages.serve.proxy.request_context import RequestContext
-from stages.serve.proxy.responses import ProxyError, UpstreamClientError
-from stages.serve.proxy.sse import DONE_EVENT, IncompleteEvent, error_event, is_done, whole_events
+from stages.serve.proxy.front.answer import Answer, Stream, Whole
+from stages.serve.proxy.front.request_context import RequestContext
+from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.legs.decode_router import NO_KV, Features, KVInputs
+from stages.serve.proxy.legs.http1 import Response
+from stages.serve.proxy.legs.prefill import prefill_request, run_prefill
+from stages.serve.proxy.legs.sse import (
+    DONE_EVENT,
+    IncompleteEvent,
+    error_event,
+    is_done,
+    whole_events,
+)
+from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, start_at_connection
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, start_at_connection
-from stages.serve.proxy.workers import Lease
+from stages.serve.proxy.view.workers import Lease
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ measures both). This client does only what the legs need: a POST with a bytes bo
 status, headers and body (Content-Length, chunked, or until the worker closes cleanly: a reset
 cuts it), bytes passed on as they came (nothing decompressed), and keep-alive connections pooled
 per worker URL. Health checks, self-checks and the rest keep aiohttp
-(stages.serve.proxy.upstream).
+(stages.serve.proxy.legs.upstream).
 
 Rules the legs rely on:
 - A connection goes back to the pool only when the parser saw its answer's end and the worker
   did not say ``Connection: close``; an answer released before its end closes the connection,
   which is how vLLM learns the client left (it aborts the request and frees its KV blocks).
 - A POST is never sent twice: a request that fails on a reused connection is reported as
-  failed (``UpstreamError``), not retried here; the legs decide (stages.serve.proxy.decode_leg).
+  failed (``UpstreamError``), not retried here; the legs decide (stages.serve.proxy.legs.decode).
 - Idle connections close after ``keepalive_s``, below the workers' own keep-alive, so no
   request goes out on a connection the worker is closing at that moment.
 - A cancelled request closes its connection and frees its slot.

@@ -8,10 +8,10 @@ import numpy as np
 import orjson
 
 from stages.routing.policies import PrefillRequest
-from stages.serve.proxy.request_context import RequestContext
-from stages.serve.proxy.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.front.request_context import RequestContext
+from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
+from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
 
 
 async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import aiohttp
 
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.http1 import Http1Client, NotDelivered, Timeouts, UpstreamError
+from stages.serve.proxy.legs.http1 import Http1Client, NotDelivered, Timeouts, UpstreamError
 
 # Raised before the request left the proxy (refused, unreachable, no connection in time): the
 # worker never saw it.

@@ -20,13 +20,13 @@ from stages import paths
 from stages.errors import EldrError
 from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
-from stages.serve.proxy.admin_cost import client_cost
 from stages.serve.proxy.config import check_unchecked_policy
-from stages.serve.proxy.peers import tell_peers
-from stages.serve.proxy.request_body import bad_request, read_json_body
-from stages.serve.proxy.responses import ProxyError, json_error, json_response
+from stages.serve.proxy.front.request_body import bad_request, read_json_body
+from stages.serve.proxy.front.responses import ProxyError, json_error, json_response
+from stages.serve.proxy.ops.admin_cost import client_cost
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.workers import WorkerView
+from stages.serve.proxy.view.peers import tell_peers
+from stages.serve.proxy.view.workers import WorkerView
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A worker leaves routing as soon as it is known down, not when a request next fails on it, and
 rejoins once it answers again (a restarted worker, an attached one that came back) and, when the
-proxy knows the served model, passed the self-check again (stages.serve.proxy.rejoin). Known down
+proxy knows the served model, passed the self-check again (proxy.ops.rejoin). Known down
 means: nothing accepts the connection (the process is gone), or vLLM answers something other
 than 200 (its engine died). A probe that only times out counts as down after a few in a row: a
 worker busy decoding on a saturated machine may answer late without being broken.
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from stages.serve.proxy.rejoin import SelfChecks
-from stages.serve.proxy.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
-from stages.serve.proxy.workers import WorkerPool
+from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
+from stages.serve.proxy.ops.rejoin import SelfChecks
+from stages.serve.proxy.view.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 

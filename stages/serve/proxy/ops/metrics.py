@@ -17,12 +17,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from stages.serve.proxy.published_batches import BatchGapCounts, PublishedBatches
-from stages.serve.proxy.workers import WorkerPool
+from stages.serve.proxy.view.published_batches import BatchGapCounts, PublishedBatches
+from stages.serve.proxy.view.workers import WorkerPool
 
 if TYPE_CHECKING:
-    from stages.serve.proxy.kv_routing import KVRouting
-    from stages.serve.proxy.rejoin import SelfChecks
+    from stages.serve.proxy.ops.rejoin import SelfChecks
+    from stages.serve.proxy.view.kv_routing import KVRouting
 
 # Restarts so far of the worker at a URL (eldr serve's supervisor counts them).
 RestartCounts = Callable[[str], int]

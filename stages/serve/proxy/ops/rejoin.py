@@ -2,9 +2,9 @@
 
 A supervised worker that restarted, or an attached one that came back, may come back without
 eldr's recording hook (another install, a stale compile cache): routing on it would be blind.
-The health prober (stages.serve.proxy.health) hands every worker that answers ``/health`` 200 but is
+The health prober (proxy.ops.health) hands every worker that answers ``/health`` 200 but is
 not trusted (out of rotation, or not verified since it was last seen down or restarted) to
-``admit``, which runs ``stages.serve.proxy.self_check`` on it (the model name it serves, then the
+``admit``, which runs ``proxy.ops.self_check`` on it (the model name it serves, then the
 probe) and puts it in rotation only if it passes. A failure keeps it out, with the reason as
 its ``last_error``; the next probe tries again (it may have been warming up). Each check runs
 as a task of its own: a slow answer must never hold up the probe round that watches the other
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import aiohttp
 
 from stages.errors import EldrError
-from stages.serve.proxy.metrics import RestartCounts
-from stages.serve.proxy.self_check import (
+from stages.serve.proxy.ops.metrics import RestartCounts
+from stages.serve.proxy.ops.self_check import (
     check_records_signatures_async,
     read_served_name_async,
 )
-from stages.serve.proxy.workers import WorkerPool
+from stages.serve.proxy.view.workers import WorkerPool
 from stages.signature.dataset import ModelIdentity
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ served model's shape, built MoE layers as the config says, and every layer count
 
 `eldr serve` asks every worker before the proxy opens (``check_records_signatures``, blocking);
 the proxy asks again whenever a worker rejoins rotation (``check_records_signatures_async``, on
-its own aiohttp session; stages.serve.proxy.rejoin). Both send ``probe_body`` and judge the answer
+its own aiohttp session; proxy.ops.rejoin). Both send ``probe_body`` and judge the answer
 with ``check_answer``, so the two can never disagree on what a valid answer is.
 
 Workers the user started (``--attach-*``) serve the model under whatever name they were given,
@@ -26,7 +26,7 @@ import orjson
 
 from stages.errors import EldrError
 from stages.models import check_built_layers
-from stages.serve.proxy.upstream import UPSTREAM_ERRORS, bearer_header
+from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS, bearer_header
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from stages.capture.batch_publisher import FinishedRequest
 from stages.errors import EldrError
-from stages.serve.proxy.recorded_row import RecordedRow, build_record, identity_of
+from stages.serve.proxy.recording.row import RecordedRow, build_record, identity_of
 from stages.signature import wire
 from stages.signature.appender import DatasetAppender
 from stages.signature.dataset import ModelIdentity

@@ -10,7 +10,7 @@ import numpy as np
 from stages.routing.kv.block_hashes import BlockHasher
 from stages.routing.kv.prompt_tokens import PromptTokenizer
 from stages.serve.proxy.config import KVConfig
-from stages.serve.proxy.kv_events import KVEventSource, KVView
+from stages.serve.proxy.view.kv_events import KVEventSource, KVView
 
 
 class Prompt(NamedTuple):

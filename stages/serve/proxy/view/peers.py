@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 
+from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.upstream import UPSTREAM_ERRORS
 
 PEER_HEADER = "X-Eldr-Peer"
 # On a /metrics answer to a peer: the answering proxy's name (its ``proxy_id``).

@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from stages.capture.batch_publisher import BatchMessage, FinishedRequest
-from stages.serve.proxy.batch_replay import GapFiller
+from stages.serve.proxy.view.batch_replay import GapFiller
 
 log = logging.getLogger(__name__)
 

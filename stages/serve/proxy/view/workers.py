@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.errors import EldrError
-from stages.serve.proxy.published_batches import PublishedBatches
+from stages.serve.proxy.view.published_batches import PublishedBatches
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The legs: a request's prefill and decode on the workers, the relay, the retries."""

@@ -1,0 +1,1 @@
+"""Operations: admin endpoints, health and self-checks, metrics, refits."""

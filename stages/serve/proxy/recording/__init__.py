@@ -1,0 +1,1 @@
+"""Recording live traffic (``eldr serve --record``) as signature rows."""
