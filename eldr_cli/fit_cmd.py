@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from eldr_cli.options import SeedOption
 from stages import paths
+
+if TYPE_CHECKING:
+    from stages.routing.cost_model import CostModel
 
 
 def fit(
@@ -68,10 +71,28 @@ def fit(
     elif dial_data is not None:
         raise typer.BadParameter("--dial-data builds the dial: drop --no-dial",
                                  param_hint="'--dial-data'")
+    typer.echo(_local_prefill_line(cost_model_for(cost, 1, 8), cost, gain.batch_sizes))
     fit_dataset(data, store or paths.default_artifact_store(),
                 FitConfig(k=k, balanced=balanced, seed=seed, gain=gain), cost, plot,
                 echo=typer.echo, warn=lambda line: typer.echo(line, err=True),
                 cost_model_for=cost_model_for, dial=runner)
+
+
+def _local_prefill_line(cost_model: CostModel, spec: str, batch_sizes: tuple[int, ...]) -> str:
+    """eldr-kv's ``local_prefill_below`` the costs give at each decode batch size; the one at
+    the largest batch stalls no batch listed for longer than the remote path takes."""
+    from stages.routing.local_prefill import default_local_prefill_below
+
+    sizes = sorted(set(batch_sizes))
+    found = [default_local_prefill_below(cost_model, b) for b in sizes]
+    each = ", ".join(f"{'no bound' if n is None else n} at a decode batch of {b}"
+                     for b, n in zip(sizes, found, strict=True))
+    safe = found[-1]
+    advice = ("" if safe is None else f"; for decode batches up to {sizes[-1]}: --policy-config"
+              f" '{{\"eldr-kv\": {{\"local_prefill_below\": {safe}}}}}'")
+    return (f"conditional disaggregation (eldr-kv's local_prefill_below, prompt tokens a decode"
+            f" worker may lack and prefill itself) from the {cost_model.name} costs (--cost"
+            f" {spec}): {each}{advice}")
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
