@@ -54,14 +54,18 @@ def test_fit_needs_variation_in_both_inputs() -> None:
         fit_cost_model(same_batch[:2], num_layers=4)
 
 
+def _moe_layer_time(m: CostModel, distinct: float) -> float:
+    return m.moe_fixed_s + m.per_expert_s * distinct
+
+
 def test_gpu_preset_reproduces_the_moe_layer_ratio() -> None:
     for experts in (64, 128):
         m = gpu_like(num_layers=48, num_experts=experts)
-        assert m.moe_layer_time(experts) / m.moe_layer_time(experts / 8) == pytest.approx(4.7)
+        assert _moe_layer_time(m, experts) / _moe_layer_time(m, experts / 8) == pytest.approx(4.7)
     m = gpu_like(48, 128)
     # More distinct experts, same batch: slower step; the gap is all MoE weight traffic.
     gap = float(m.step_time(32, 128) - m.step_time(32, 16))
-    assert gap == pytest.approx(48 * (m.moe_layer_time(128) - m.moe_layer_time(16)))
+    assert gap == pytest.approx(48 * (_moe_layer_time(m, 128) - _moe_layer_time(m, 16)))
     assert cpu_like(4).step_time(16, 16) > cpu_like(4).step_time(16, 2)
 
 

@@ -7,7 +7,17 @@ import itertools
 import numpy as np
 import pytest
 
-from stages.signature.transform import SignatureTransform, fit_idf, fit_transform, rho_for_mask
+from stages.signature.transform import (
+    SignatureTransform,
+    _centred_ranks,
+    _cosine,
+    _decode_similarity,
+    _per_layer_terms,
+    _spearman_columns,
+    fit_idf,
+    fit_transform,
+    sample_pairs,
+)
 
 INFORMATIVE = (0, 2, 3)
 
@@ -72,6 +82,27 @@ def test_transform_is_immutable_and_validated() -> None:
         SignatureTransform(idf=np.ones((2, 3)), layer_mask=[False, False])
     with pytest.raises(ValueError, match="layer_mask"):
         SignatureTransform(idf=np.ones((2, 3)), layer_mask=[True])
+
+
+def rho_for_mask(
+    prefill_counts: np.ndarray,
+    decode_counts: np.ndarray,
+    idf: np.ndarray,
+    mask: np.ndarray,
+    seed: int,
+    num_pairs: int = 30000,
+) -> float:
+    """Spearman rho for a given mask on the same pairs ``fit_transform`` samples: the peak its
+    mask search must stop at."""
+    prefill, decode = np.asarray(prefill_counts), np.asarray(decode_counts)
+    left, right = sample_pairs(prefill.shape[0], num_pairs, np.random.default_rng(seed))
+    target_rank = _centred_ranks(_decode_similarity(decode, left, right)[:, None])[:, 0]
+    dots, sq_left, sq_right = _per_layer_terms(prefill, idf, left, right)
+    layers = np.flatnonzero(mask)
+    sim = _cosine(
+        dots[:, layers].sum(axis=1), sq_left[:, layers].sum(axis=1), sq_right[:, layers].sum(axis=1)
+    )
+    return float(_spearman_columns(sim[:, None], target_rank)[0])
 
 
 def test_mask_search_keeps_informative_layers_and_stops_at_the_peak() -> None:

@@ -80,9 +80,6 @@ class CostModel:
             per_expert_s=self.per_expert_s / n, moe_fixed_s=self.moe_fixed_s / n, core_sharing=1,
         )
 
-    def moe_layer_time(self, distinct: float) -> float:
-        return self.moe_fixed_s + self.per_expert_s * distinct
-
     def prefill_time(self, prompt_tokens: float | np.ndarray) -> np.ndarray:
         return self.prefill_base_s + self.prefill_per_token_s * np.asarray(prompt_tokens)
 

@@ -252,23 +252,3 @@ def _spearman_columns(values: np.ndarray, target_rank: np.ndarray) -> np.ndarray
     constant = np.ptp(values, axis=0) == 0
     rho[constant] = np.nan
     return rho
-
-
-def rho_for_mask(
-    prefill_counts: np.ndarray,
-    decode_counts: np.ndarray,
-    idf: np.ndarray,
-    mask: np.ndarray,
-    seed: int,
-    num_pairs: int = 30000,
-) -> float:
-    """Spearman rho for a given mask on the same pairs ``fit_transform`` samples (diagnostics)."""
-    prefill, decode = np.asarray(prefill_counts), np.asarray(decode_counts)
-    left, right = sample_pairs(prefill.shape[0], num_pairs, np.random.default_rng(seed))
-    target_rank = _centred_ranks(_decode_similarity(decode, left, right)[:, None])[:, 0]
-    dots, sq_left, sq_right = _per_layer_terms(prefill, idf, left, right)
-    layers = np.flatnonzero(mask)
-    sim = _cosine(
-        dots[:, layers].sum(axis=1), sq_left[:, layers].sum(axis=1), sq_right[:, layers].sum(axis=1)
-    )
-    return float(_spearman_columns(sim[:, None], target_rank)[0])

@@ -34,10 +34,6 @@ class IdealHits:
     prefill_hit_tokens: int
 
     @property
-    def history_share(self) -> float:
-        return self.history_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
     def prefill_share(self) -> float:
         return self.prefill_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
