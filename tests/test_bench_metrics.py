@@ -81,11 +81,12 @@ def test_every_reported_metric_is_a_key_a_bench_produces() -> None:
     """The registry names keys that exist: client timings from ``summarize``, expert figures
     from the decode workers' counters (or the simulator), so no table column or replay check
     reads a key nothing writes."""
+    from stages.bench.live.worker_metrics import ExpertStats
     from stages.bench.metric_registry import METRICS
-    from stages.bench.results import EXPERT_KEYS
 
     record = RequestRecord("a", True, prompt_tokens=4, output_tokens=3, ttft_s=0.1,
                            latency_s=0.3, itl_s=(0.1, 0.1))
-    produced = set(summarize(RequestTable.from_records([record]), 1.0)) | set(EXPERT_KEYS)
+    expert_keys = ExpertStats(steps=1, active_experts=1, step_seconds=1, num_layers=1).as_dict()
+    produced = set(summarize(RequestTable.from_records([record]), 1.0)) | set(expert_keys)
     assert [m.key for m in METRICS if m.key not in produced] == []
     assert len({m.key for m in METRICS}) == len(METRICS)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PERCENTILES = (50.0, 95.0, 99.0)
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass(frozen=True)

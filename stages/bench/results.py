@@ -17,19 +17,11 @@ import orjson
 from stages.bench.metrics import RequestRecord, RequestTable
 from stages.provenance import provenance
 
-# Keys eldr adds to a policy's metrics dict (from the decode workers or the simulator).
-EXPERT_KEYS = (
-    "decode_steps",
-    "active_experts_per_step",
-    "distinct_experts_per_layer",
-    "mean_decode_step_ms",
-)
-
 
 @dataclass(frozen=True)
 class PolicyResult:
     policy: str
-    metrics: dict[str, float]  # metrics.summarize() keys, plus EXPERT_KEYS when known
+    metrics: dict[str, float]  # metrics.summarize() keys, plus ExpertStats.as_dict()'s when known
     table: RequestTable
     records: tuple[RequestRecord, ...] = ()  # per request, load generator only
     # The table's rows per segment (round), in order; simulator only (a replay compares them).
