@@ -234,18 +234,6 @@ class VllmServer:
             )
         return healthy(self.url)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.poll_ready():
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise EldrError(
-            f"vLLM server on port {self.spec.port} not ready after {timeout_s:.0f} s;"
-            f" see {self.log_path}:\n{tail(self.log_path)}"
-        )
-
     def terminate(self) -> None:
         """Ask the server's whole process group to exit (returns at once)."""
         if self.proc.poll() is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ import pytest
 from stages.paths import BUNDLED_MODELS_DIR
 
 if TYPE_CHECKING:
+    from stages.engine import VllmServer
     from stages.signature.dataset import ModelIdentity, SignatureArrays, SignatureDataset
 
 TINY = BUNDLED_MODELS_DIR / "tiny"
@@ -20,6 +22,22 @@ TINY = BUNDLED_MODELS_DIR / "tiny"
 # Tests never reach a model hub, and vLLM servers started by tests log to the test's tmp dir.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def wait_ready(server: VllmServer, timeout_s: float) -> None:
+    """Block until a started vLLM server is healthy; past ``timeout_s`` stop it and say why
+    (eldr itself waits for many workers at once: stages.serve.cluster.launcher)."""
+    from stages.engine import tail
+    from stages.errors import EldrError
+
+    deadline = time.monotonic() + timeout_s
+    while not server.poll_ready():
+        if time.monotonic() > deadline:
+            server.stop()
+            raise EldrError(f"vLLM server on port {server.spec.port} not ready after"
+                            f" {timeout_s:.0f} s; see {server.log_path}:\n"
+                            f"{tail(server.log_path)}")
+        time.sleep(0.5)
 
 
 def free_port() -> int:
@@ -99,7 +117,7 @@ def plain_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     )
     server = VllmServer(spec, tmp_path_factory.mktemp("vllm-logs"))
     try:
-        server.wait_ready(timeout_s=240)
+        wait_ready(server, timeout_s=240)
         yield server.url
     finally:
         server.stop()

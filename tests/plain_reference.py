@@ -51,12 +51,13 @@ def complete(url: str, prompt: str, timeout: float = 120) -> str:
 def plain_outputs(model: Path, port: int, root: Path) -> dict[str, str]:
     """Start the plain engine, answer every prompt, stop it."""
     from stages.engine import ServerSpec, VllmServer
+    from tests.conftest import wait_ready
 
     server = VllmServer(ServerSpec(model=str(model), port=port, served_name="tiny",
                                    eldr_plugin=False, extra_env=untested_release_env(root)),
                         root / "logs")
     try:
-        server.wait_ready(timeout_s=300)
+        wait_ready(server, timeout_s=300)
         return {p: complete(server.url, p) for p in PROMPTS}
     finally:
         server.stop()

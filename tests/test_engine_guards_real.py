@@ -17,7 +17,7 @@ import pytest
 
 from stages.engine import ServerSpec, VllmServer
 from stages.errors import EldrError
-from tests.conftest import free_port, requires_vllm
+from tests.conftest import free_port, requires_vllm, wait_ready
 from tests.plain_reference import MISSING_TOUCHPOINT, untested_release_env
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
@@ -48,7 +48,7 @@ def refusing(tiny_model: Path,
 def refusal_log(server: VllmServer) -> str:
     """The log of a server that must refuse to start, once it has."""
     with pytest.raises(EldrError, match="exited with code"):
-        server.wait_ready(timeout_s=240)
+        wait_ready(server, timeout_s=240)
     return server.log_path.read_text(errors="replace")
 
 

@@ -25,7 +25,7 @@ from stages.routing.kv.block_hashes import BlockHasher
 from stages.routing.kv.endpoints import replay_endpoint
 from stages.serve.proxy.view.kv_events import END_SEQ
 from stages.signature import wire
-from tests.conftest import free_port, requires_vllm
+from tests.conftest import free_port, requires_vllm, wait_ready
 
 pytestmark = [requires_vllm, pytest.mark.vllm]
 
@@ -68,7 +68,7 @@ def test_published_block_counts_sum_to_the_prefill_signature(
     view = ExpertEventsView(1, index)
     server = VllmServer(spec, tmp_path / "logs")
     try:
-        server.wait_ready(timeout_s=900)
+        wait_ready(server, timeout_s=900)
 
         def prefill(prompt: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
             """(signature, published full-block sum, cached tokens)"""
