@@ -25,8 +25,7 @@ from stages.serve.proxy import create_app
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.legs.upstream import leg_timeout
 from stages.serve.proxy.ops.health import Prober
-from stages.serve.proxy.ops.metrics import RestartCounts, no_restarts
-from stages.serve.proxy.ops.rejoin import SelfChecks
+from stages.serve.proxy.ops.rejoin import RestartCounts, SelfChecks, no_restarts
 from stages.serve.proxy.ops.self_check import PROBE_PROMPT
 from stages.serve.proxy.view.workers import WorkerPool
 from stages.signature import wire

@@ -253,7 +253,7 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
     until SIGINT or SIGTERM; then stop everything started, whatever happened."""
     from stages.serve.cluster.supervisor import Supervisor
     from stages.serve.proxy.group import serve_group
-    from stages.serve.proxy.ops.metrics import no_restarts
+    from stages.serve.proxy.ops.rejoin import no_restarts
     from stages.serve.proxy.ops.self_check import (
         agreed_served_name,
         check_records_signatures,

@@ -35,9 +35,9 @@ from stages.serve.proxy.legs.upstream import open_leg_client, open_session
 from stages.serve.proxy.ops import admin, endpoints
 from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.ops.health import health_loop
-from stages.serve.proxy.ops.metrics import RestartCounts, no_restarts
 from stages.serve.proxy.ops.online_refit import FitFn, balanced_fit
 from stages.serve.proxy.ops.refit_task import refit_loop
+from stages.serve.proxy.ops.rejoin import RestartCounts, no_restarts
 from stages.serve.proxy.state import ProxyState, build_state
 from stages.serve.proxy.view.kv_events import KVEventSource, follow_kv_events
 from stages.serve.proxy.view.published_batches import follow_batches

@@ -38,7 +38,7 @@ from stages.errors import EldrError
 from stages.procs.platform_check import owns_processes
 from stages.serve.proxy.app import run_proxy
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.ops.metrics import RestartCounts, no_restarts
+from stages.serve.proxy.ops.rejoin import RestartCounts, no_restarts
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
 from stages.serve.proxy.legs.prefill_router import PrefillRouter
 from stages.serve.proxy.legs.upstream import leg_limits, leg_timeout
 from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
-from stages.serve.proxy.ops.metrics import ProxyMetrics, RestartCounts, no_restarts
+from stages.serve.proxy.ops.metrics import ProxyMetrics
 from stages.serve.proxy.ops.online_refit import FitFn, OnlineRefitter, balanced_fit
-from stages.serve.proxy.ops.rejoin import SelfChecks
+from stages.serve.proxy.ops.rejoin import RestartCounts, SelfChecks, no_restarts
 from stages.serve.proxy.recording.recorder import TrafficRecorder
 from stages.serve.proxy.view.kv_routing import KVRouting
 from stages.serve.proxy.view.published_batches import PublishedBatches

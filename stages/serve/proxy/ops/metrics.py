@@ -3,7 +3,7 @@ proxies in one process (tests, benches) do not collide."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -17,21 +17,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from stages.serve.proxy.ops.rejoin import RestartCounts, SelfChecks, no_restarts
 from stages.serve.proxy.view.published_batches import BatchGapCounts, PublishedBatches
 from stages.serve.proxy.view.workers import WorkerPool
 
 if TYPE_CHECKING:
-    from stages.serve.proxy.ops.rejoin import SelfChecks
     from stages.serve.proxy.view.kv_routing import KVRouting
-
-# Restarts so far of the worker at a URL (eldr serve's supervisor counts them).
-RestartCounts = Callable[[str], int]
-
-
-def no_restarts(url: str) -> int:
-    """For workers nobody restarts: attached ones, or a proxy started on its own."""
-    return 0
-
 
 class _Restarts(Collector):
     """``eldr_worker_restarts_total``: read from the supervisor at scrape time, as the gauges

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
 
 from stages.errors import EldrError
-from stages.serve.proxy.ops.metrics import RestartCounts
 from stages.serve.proxy.ops.self_check import (
     check_records_signatures_async,
     read_served_name_async,
@@ -30,6 +29,15 @@ from stages.serve.proxy.view.workers import WorkerPool
 from stages.signature.dataset import ModelIdentity
 
 log = logging.getLogger(__name__)
+
+
+# Restarts so far of the worker at a URL (eldr serve's supervisor counts them).
+RestartCounts = Callable[[str], int]
+
+
+def no_restarts(url: str) -> int:
+    """For workers nobody restarts: attached ones, or a proxy started on its own."""
+    return 0
 
 
 @dataclass
