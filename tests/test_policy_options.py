@@ -36,7 +36,8 @@ def other_value(name: str, key: str) -> object:
         float: lambda: [default / 2, default * 2, 0.5, 0.0, 1.0],
         int: lambda: [default + 1, default - 1],
         bool: lambda: [not default],
-        str: lambda: [f"{default}-other", "gpu", "cpu"],  # eldr-union's cost takes a preset
+        # eldr-union's cost takes a preset, eldr-kv's decode_choice a moment
+        str: lambda: [f"{default}-other", "gpu", "cpu", "arrival"],
     }[kind]()
     for value in candidates:
         if value == default:

@@ -1,0 +1,111 @@
+"""Decode chosen at arrival against after prefill, and conditional disaggregation against
+always-remote prefill, on the simulated conversation workload (``conversation_sim``).
+
+Per seed, on the same conversations:
+- eldr-kv with ``decode_choice`` ``after-prefill`` (the paper's rule) and ``arrival``, and the
+  load balancers (rr, jsq, random, p2c): each one's distinct experts per decode step (summed
+  over layers) averaged over the turns >= 2 (``ConversationOutcome.turn_distinct``); the
+  expert gain of a choice is the best load balancer's figure minus its own, and ``kept`` is
+  arrival's gain over after-prefill's.
+- eldr-kv at arrival with ``local_prefill_below`` N against the same with 0: TTFT p50 of the
+  turns >= 2 and TPOT p99 of every turn.
+
+``python -m stages.bench.sim.decode_choice_study --help`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from stages.bench.metrics import request_tpot_s
+from stages.bench.sim.conversation_sim import (
+    ConversationOutcome,
+    ConversationSimConfig,
+    simulate_outcomes,
+)
+from stages.bench.sim.conversation_workload import SimConversationSpec, SimTurns
+from stages.bench.sim.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
+from stages.routing.cost_model import cost_model_for
+from stages.routing.policy_config import PolicyConfig
+
+BALANCERS = ("rr", "jsq", "random", "p2c")
+POLICY = "eldr-kv"
+
+
+def _later_distinct(outcome: ConversationOutcome, turns: SimTurns) -> float:
+    return float(np.mean(outcome.turn_distinct[turns.turn >= 2]))
+
+
+def _latency(outcome: ConversationOutcome, turns: SimTurns) -> dict[str, float]:
+    ttft = outcome.first_token - outcome.arrival
+    output = np.array([a.size for a in turns.answers])
+    tpot = request_tpot_s(np.ones(len(turns), bool), output, ttft, outcome.done - outcome.arrival)
+    return {"ttft_later_p50_ms": 1e3 * float(np.median(ttft[turns.turn >= 2])),
+            "tpot_p99_ms": 1e3 * float(np.nanpercentile(tpot, 99))}
+
+
+def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: object,
+             local_below: Sequence[int]) -> dict[str, float]:
+    """One seed's figures (see the module's docstring)."""
+    def outcomes(policies: tuple[str, ...], **options: object
+                 ) -> tuple[SimTurns, dict[str, ConversationOutcome]]:
+        config = replace(base, policies=policies,
+                         policy_config=PolicyConfig.from_mapping({POLICY: options}))
+        turns, out, _ = simulate_outcomes(config, arrays, top_k, artifact)  # type: ignore[arg-type]
+        return turns, out
+
+    turns, after = outcomes((POLICY, *BALANCERS), decode_choice="after-prefill")
+    _, arrival = outcomes((POLICY,), decode_choice="arrival")
+    balancer = min(_later_distinct(after[b], turns) for b in BALANCERS)
+    gain_after = balancer - _later_distinct(after[POLICY], turns)
+    gain_arrival = balancer - _later_distinct(arrival[POLICY], turns)
+    remote = _latency(arrival[POLICY], turns)
+    row = {
+        "balancer_distinct": balancer, "gain_after_prefill": gain_after,
+        "gain_arrival": gain_arrival, "kept": gain_arrival / gain_after,
+        "remote_ttft_later_p50_ms": remote["ttft_later_p50_ms"],
+        "remote_tpot_p99_ms": remote["tpot_p99_ms"],
+    }
+    for n in local_below:
+        _, local = outcomes((POLICY,), decode_choice="arrival", local_prefill_below=n)
+        near = _latency(local[POLICY], turns)
+        row[f"local{n}_ttft_later_p50_ms"] = near["ttft_later_p50_ms"]
+        row[f"local{n}_tpot_p99_ms"] = near["tpot_p99_ms"]
+        row[f"local{n}_share_later"] = float(
+            np.mean(local[POLICY].prefill_worker[turns.turn >= 2] < 0))
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--local-prefill-below", default="128",
+                        help="thresholds to compare with always-remote prefill, comma separated")
+    parser.add_argument("--conversations", type=int, default=600)
+    parser.add_argument("--rate", type=float, default=4.0, help="conversations per second")
+    parser.add_argument("--cost", default="gpu")
+    args = parser.parse_args(argv)
+    spec = SyntheticSpec()
+    cost = cost_model_for(args.cost, spec.num_layers, spec.num_experts)
+    rows = []
+    for seed in range(args.seeds):
+        arrays = synthetic_signatures(replace(spec, seed=seed))
+        artifact = stand_in_artifact(arrays, 16, seed=seed)
+        workload = SimConversationSpec(conversations=args.conversations,
+                                       conversation_rate=args.rate, seed=seed)
+        base = ConversationSimConfig(cost=cost, workload=workload, seed=seed)
+        below = [int(n) for n in args.local_prefill_below.split(",")]
+        row = run_seed(base, arrays, spec.top_k, artifact, below)
+        rows.append(row)
+        print(f"seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    for key in rows[0]:
+        values = np.array([r[key] for r in rows])
+        print(f"{key}: mean {values.mean():.4g} (min {values.min():.4g}, max {values.max():.4g})")
+
+
+if __name__ == "__main__":
+    main()
