@@ -7,8 +7,9 @@ Per seed, on the same conversations:
   over layers) averaged over the turns >= 2 (``ConversationOutcome.turn_distinct``); the
   expert gain of a choice is the best load balancer's figure minus its own, and ``kept`` is
   arrival's gain over after-prefill's.
-- eldr-kv at arrival with ``local_prefill_below`` N against the same with 0: TTFT p50 of the
-  turns >= 2 and TPOT p99 of every turn.
+- eldr-kv with ``local_prefill_below`` N against the same with 0, for either decode choice:
+  TTFT p50 of the turns >= 2, TPOT p99 of every turn, and the share of turns >= 2 a decode
+  worker prefilled itself.
 
 ``python -m stages.bench.sim.decode_choice_study --help`` runs it.
 """
@@ -63,20 +64,19 @@ def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: 
     balancer = min(_later_distinct(after[b], turns) for b in BALANCERS)
     gain_after = balancer - _later_distinct(after[POLICY], turns)
     gain_arrival = balancer - _later_distinct(arrival[POLICY], turns)
-    remote = _latency(arrival[POLICY], turns)
-    row = {
-        "balancer_distinct": balancer, "gain_after_prefill": gain_after,
-        "gain_arrival": gain_arrival, "kept": gain_arrival / gain_after,
-        "remote_ttft_later_p50_ms": remote["ttft_later_p50_ms"],
-        "remote_tpot_p99_ms": remote["tpot_p99_ms"],
-    }
-    for n in local_below:
-        _, local = outcomes((POLICY,), decode_choice="arrival", local_prefill_below=n)
-        near = _latency(local[POLICY], turns)
-        row[f"local{n}_ttft_later_p50_ms"] = near["ttft_later_p50_ms"]
-        row[f"local{n}_tpot_p99_ms"] = near["tpot_p99_ms"]
-        row[f"local{n}_share_later"] = float(
-            np.mean(local[POLICY].prefill_worker[turns.turn >= 2] < 0))
+    row = {"balancer_distinct": balancer, "gain_after_prefill": gain_after,
+           "gain_arrival": gain_arrival, "kept": gain_arrival / gain_after}
+    for choice, remote_run in (("arrival", arrival), ("after-prefill", after)):
+        remote = _latency(remote_run[POLICY], turns)
+        row[f"{choice}_remote_ttft_later_p50_ms"] = remote["ttft_later_p50_ms"]
+        row[f"{choice}_remote_tpot_p99_ms"] = remote["tpot_p99_ms"]
+        for n in local_below:
+            _, local = outcomes((POLICY,), decode_choice=choice, local_prefill_below=n)
+            near = _latency(local[POLICY], turns)
+            row[f"{choice}_local{n}_ttft_later_p50_ms"] = near["ttft_later_p50_ms"]
+            row[f"{choice}_local{n}_tpot_p99_ms"] = near["tpot_p99_ms"]
+            row[f"{choice}_local{n}_share_later"] = float(
+                np.mean(local[POLICY].prefill_worker[turns.turn >= 2] < 0))
     return row
 
 
