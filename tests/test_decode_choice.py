@@ -94,7 +94,7 @@ def test_the_signature_at_arrival_is_the_cached_share_exact_and_the_rest_the_mea
 ) -> None:
     turns = build_turns(SimConversationSpec(conversations=3, turns=2, system_tokens=64,
                                             message_tokens=32, output_tokens=16), len(arrays))
-    counts = _ArrivalCounts(arrays, turns)
+    counts = _ArrivalCounts(arrays, turns, 0.0)
     row = arrays.prefill_counts[int(turns.row[1])]
     np.testing.assert_array_equal(counts(1, int(turns.prompts[1].size)), row)
     nothing = counts(1, 0)
@@ -102,6 +102,10 @@ def test_the_signature_at_arrival_is_the_cached_share_exact_and_the_rest_the_mea
     np.testing.assert_allclose(nothing, row.sum() * mean, atol=0.5)
     half = counts(1, int(turns.prompts[1].size) // 2)
     assert np.abs(half - row).sum() < np.abs(nothing - row).sum()
+    # A perfect predictor's tail is the truth; half of one lies between.
+    np.testing.assert_array_equal(_ArrivalCounts(arrays, turns, 1.0)(1, 0), row)
+    halfway = _ArrivalCounts(arrays, turns, 0.5)(1, 0)
+    np.testing.assert_allclose(halfway, 0.5 * row + 0.5 * row.sum() * mean, atol=0.5)
 
 
 def test_eldr_kv_at_arrival_runs_with_and_without_local_prefill(arrays) -> None:  # type: ignore[no-untyped-def]

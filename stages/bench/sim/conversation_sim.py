@@ -67,6 +67,9 @@ class ConversationSimConfig:
     decode_cache_blocks: int = 8192
     max_batch: int = 128
     kv_transfer_base_s: float = 0.002  # a pull's fixed cost (NIXL handshake, notification)
+    # Decode chosen at arrival: the share of the uncached tail's routing the token predictor
+    # gets right (``_ArrivalCounts``); 0: it knows only the mean token's routing.
+    arrival_tail_quality: float = 0.0
     seed: int = 0
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
 
@@ -84,6 +87,9 @@ class ConversationSimConfig:
                                 f" {getattr(self, name)}")
         if self.kv_transfer_base_s < 0:
             raise EldrError("KV transfer time must be >= 0")
+        if not 0.0 <= self.arrival_tail_quality <= 1.0:
+            raise EldrError(f"arrival tail quality must be in [0, 1], got"
+                            f" {self.arrival_tail_quality}")
 
 
 @dataclass
@@ -153,8 +159,8 @@ class _Run:
         self.worker = np.full(n, -1, dtype=np.int64)
         self.log_miss: dict[int, np.ndarray] = {}
         self.turn_distinct = np.full(n, np.nan)
-        self.arrival_counts = (_ArrivalCounts(arrays, turns) if policy.decodes_at_arrival
-                               else None)
+        self.arrival_counts = (_ArrivalCounts(arrays, turns, config.arrival_tail_quality)
+                               if policy.decodes_at_arrival else None)
         self.distinct: list[float] = []
         self.events: list[tuple[float, int, int, int]] = []
         self.seq = 0
@@ -362,22 +368,24 @@ class _ArrivalCounts:
     The simulator gives a conversation one signature row for all its turns and its token ids
     carry no routing, so: the cached prefix's exact counts (``stages.routing.arrival_signature``
     sums the blocks' expert events) are modelled as the cached share of the turn's prefill
-    counts (a conversation routes alike along its prompt), and the uncached tail as the token
-    predictor with no token-specific offsets predicts it: the dataset's mean routing per token
-    over the tail's share. That is the predictor's worst case; one fit on real prompts does
-    better on the tail (``eldr fit`` prints by how much).
+    counts (a conversation routes alike along its prompt), and the uncached tail as a token
+    predictor that gets ``quality`` of it right: that share of the tail's true counts, the
+    rest the dataset's mean routing per token. ``quality`` 0 is a predictor with no
+    token-specific offsets, the worst case; ``eldr fit`` prints how much of the gain a
+    predictor fit on real prompts keeps.
     """
 
-    def __init__(self, arrays: SignatureArrays, turns: SimTurns) -> None:
+    def __init__(self, arrays: SignatureArrays, turns: SimTurns, quality: float) -> None:
         prefill = np.asarray(arrays.prefill_counts, dtype=np.float64)
         total = prefill.sum(axis=0)
         self.mean_share = total / max(float(total.sum()), 1.0)  # [L, E], sums to 1
-        self.prefill, self.turns = prefill, turns
+        self.prefill, self.turns, self.quality = prefill, turns, quality
 
     def __call__(self, r: int, cached_tokens: int) -> np.ndarray:
         counts = self.prefill[int(self.turns.row[r])]
         cached = cached_tokens / max(int(self.turns.prompts[r].size), 1)
-        tail = (1.0 - cached) * float(counts.sum()) * self.mean_share
+        guess = (1.0 - self.quality) * float(counts.sum()) * self.mean_share
+        tail = (1.0 - cached) * (self.quality * counts + guess)
         return np.rint(cached * counts + tail).astype(np.int32)
 
 

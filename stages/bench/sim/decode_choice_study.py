@@ -88,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--conversations", type=int, default=600)
     parser.add_argument("--rate", type=float, default=4.0, help="conversations per second")
     parser.add_argument("--cost", default="gpu")
+    parser.add_argument("--tail-quality", type=float, default=0.0,
+                        help="share of the uncached tail's routing the token predictor gets"
+                        " right (0: the mean token's routing only)")
     args = parser.parse_args(argv)
     spec = SyntheticSpec()
     cost = cost_model_for(args.cost, spec.num_layers, spec.num_experts)
@@ -97,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         artifact = stand_in_artifact(arrays, 16, seed=seed)
         workload = SimConversationSpec(conversations=args.conversations,
                                        conversation_rate=args.rate, seed=seed)
-        base = ConversationSimConfig(cost=cost, workload=workload, seed=seed)
+        base = ConversationSimConfig(cost=cost, workload=workload, seed=seed,
+                                     arrival_tail_quality=args.tail_quality)
         below = [int(n) for n in args.local_prefill_below.split(",")]
         row = run_seed(base, arrays, spec.top_k, artifact, below)
         rows.append(row)
