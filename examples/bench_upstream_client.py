@@ -127,10 +127,8 @@ async def _measure(client: str, case: str, send: Request, n: int) -> Figures:
 async def _run(url: str, paced_url: str, args: argparse.Namespace) -> list[Figures]:
     import aiohttp
 
-    from stages.serve.proxy.legs.upstream import leg_timeout
-
-    timeout = leg_timeout(600.0, 3.0)
-    # As upstream.open_session configures it.
+    # As the proxy configured its aiohttp session before it moved to http1 alone.
+    timeout = aiohttp.ClientTimeout(total=None, connect=603.0, sock_connect=3.0, sock_read=600.0)
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0, keepalive_timeout=4.0),
         timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),

@@ -6,10 +6,10 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 
-import aiohttp
 import pytest
 
-from stages.serve.proxy.legs.upstream import leg_timeout
+from stages.serve.proxy.legs.http1 import Http1Client
+from stages.serve.proxy.legs.upstream import leg_limits
 from stages.serve.proxy.ops.health import Prober
 from stages.serve.proxy.view.workers import WorkerPool
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
@@ -35,8 +35,8 @@ async def _silent_server() -> tuple[asyncio.Server, str]:
 
 def _run(check: Callable[[Prober], Awaitable[None]]) -> None:
     async def main() -> None:
-        async with aiohttp.ClientSession() as session:
-            await check(Prober(session, leg_timeout(0.3, 0.3)))
+        async with Http1Client(16, 4.0) as client:
+            await check(Prober(client, leg_limits(0.3, 0.3)))
 
     asyncio.run(main())
 

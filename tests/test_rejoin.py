@@ -13,7 +13,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-import aiohttp
 import httpx
 import numpy as np
 import orjson
@@ -23,7 +22,8 @@ from starlette.testclient import TestClient
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.legs.upstream import leg_timeout
+from stages.serve.proxy.legs.http1 import Http1Client
+from stages.serve.proxy.legs.upstream import leg_limits
 from stages.serve.proxy.ops.health import Prober
 from stages.serve.proxy.ops.rejoin import RestartCounts, SelfChecks, no_restarts
 from stages.serve.proxy.ops.self_check import PROBE_PROMPT
@@ -65,11 +65,11 @@ def _run(urls: list[str], check: Check, *, verified: bool = True,
     pool = WorkerPool(urls, "decode")
 
     async def main() -> None:
-        async with aiohttp.ClientSession() as session:
-            checks = SelfChecks(IDENTITY, "fake-model", leg_timeout(0.5, 0.3), [pool], restarts,
+        async with Http1Client(16, 4.0) as client:
+            checks = SelfChecks(IDENTITY, "fake-model", leg_limits(0.5, 0.3), [pool], restarts,
                                 verified_at_start=verified)
             try:
-                await check(Prober(session, leg_timeout(0.3, 0.3), checks=checks), checks, pool)
+                await check(Prober(client, leg_limits(0.3, 0.3), checks=checks), checks, pool)
             finally:
                 await checks.close()
 

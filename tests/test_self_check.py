@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
 import pytest
 
 from stages.errors import EldrError
+from stages.serve.proxy.legs.http1 import Headers
+from stages.serve.proxy.legs.upstream import Reply
 from stages.serve.proxy.ops import self_check
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
@@ -21,12 +22,14 @@ IDENTITY = ModelIdentity("m", 2, 4, 2, (1, 2))
 def answer(monkeypatch: pytest.MonkeyPatch, params: dict[str, Any] | None) -> list[dict]:
     sent: list[dict] = []
 
-    def post(url: str, json: dict, headers: dict, timeout: float) -> httpx.Response:
-        sent.append({**json, "headers": headers})
-        body = {"choices": [{"text": "x"}], "kv_transfer_params": params}
-        return httpx.Response(200, json=body, request=httpx.Request("POST", url))
+    def fetch(method: str, url: str, path: str, headers: dict, timeout_s: float,
+              body: bytes = b"") -> Reply:
+        assert (method, path) == ("POST", "/v1/completions")
+        sent.append({**orjson.loads(body), "headers": headers})
+        answer = {"choices": [{"text": "x"}], "kv_transfer_params": params}
+        return Reply(200, Headers([]), orjson.dumps(answer))
 
-    monkeypatch.setattr(self_check.httpx, "post", post)
+    monkeypatch.setattr(self_check, "fetch_blocking", fetch)
     return sent
 
 
@@ -34,7 +37,7 @@ def test_a_recording_worker_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     sent = answer(monkeypatch, wire.encode(np.full((2, 4), 3, np.int32), (1, 2)))
     self_check.check_records_signatures("http://w", IDENTITY, "m", api_key="k")
     assert sent[0]["model"] == "m" and sent[0]["max_tokens"] == 1
-    assert sent[0]["headers"] == {"Authorization": "Bearer k"}
+    assert sent[0]["headers"] == {"Authorization": "Bearer k", "Content-Type": "application/json"}
 
 
 @pytest.mark.parametrize(
@@ -55,12 +58,8 @@ def test_workers_that_would_route_blind_are_refused(
 
 
 def test_an_unreachable_worker_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    def post(url: str, json: dict, headers: dict, timeout: float) -> httpx.Response:
-        raise httpx.ConnectError("refused")
-
-    monkeypatch.setattr(self_check.httpx, "post", post)
-    with pytest.raises(EldrError, match="self-check of worker http://w failed"):
-        self_check.check_records_signatures("http://w", IDENTITY, "m")
+    with pytest.raises(EldrError, match=r"self-check of worker http://127\.0\.0\.1:9 failed"):
+        self_check.check_records_signatures("http://127.0.0.1:9", IDENTITY, "m", timeout_s=2.0)
 
 
 def _completion(params: Any) -> bytes:

@@ -31,7 +31,7 @@ from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.front.auth import auth_middleware
 from stages.serve.proxy.front.completions import chat_completions, completions
 from stages.serve.proxy.front.responses import SERVER_SEND, InternalErrorMiddleware, http_error
-from stages.serve.proxy.legs.upstream import open_leg_client, open_session
+from stages.serve.proxy.legs.upstream import open_control_client, open_leg_client
 from stages.serve.proxy.ops import admin, endpoints
 from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.ops.health import health_loop
@@ -56,14 +56,14 @@ def _report_crash(task: asyncio.Task[None]) -> None:
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     state: ProxyState = app.state.proxy
     c = state.config
-    async with open_session(c) as session, open_leg_client(c) as leg_client:
-        state._session = session
+    async with open_control_client(c) as control_client, open_leg_client(c) as leg_client:
+        state._control_client = control_client
         state._leg_client = leg_client
         loops = [
             (
                 "eldr-health",
                 health_loop(
-                    session,
+                    control_client,
                     [state.prefill, state.decode],
                     c.health_interval_s,
                     state.health_timeout,
@@ -107,7 +107,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                 task.cancel()
             # Crashes were logged by _report_crash; here we only wait for the cancellations.
             await asyncio.gather(*tasks, return_exceptions=True)
-            state._session = None
+            state._control_client = None
             state._leg_client = None
             # Collectable again: at exit, objects never collected make extension modules
             # (nanobind's) print leak reports.

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from stages.errors import EldrError
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.policies import needs_centroids
@@ -14,7 +12,7 @@ from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.legs.decode_router import DecodeRouter
 from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
 from stages.serve.proxy.legs.prefill_router import PrefillRouter
-from stages.serve.proxy.legs.upstream import leg_limits, leg_timeout
+from stages.serve.proxy.legs.upstream import leg_limits
 from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.ops.metrics import ProxyMetrics
 from stages.serve.proxy.ops.online_refit import FitFn, OnlineRefitter, balanced_fit
@@ -45,12 +43,12 @@ class ProxyState:
     # events (prefill workers first, as KVConfig.expert_events).
     block_experts: ExpertEventsView | None = None
     # Built once from the config: the per-request path only passes them along. The legs'
-    # limits are for ``leg_client``; the others for ``session``.
+    # limits are for ``leg_client``; the others for ``control_client``.
     prefill_limits: Timeouts = field(init=False, repr=False)
     decode_limits: Timeouts = field(init=False, repr=False)
-    prefill_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)  # /v1/models
-    health_timeout: aiohttp.ClientTimeout = field(init=False, repr=False)
-    _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+    prefill_timeout: Timeouts = field(init=False, repr=False)  # /v1/models
+    health_timeout: Timeouts = field(init=False, repr=False)
+    _control_client: Http1Client | None = field(default=None, repr=False)
     _leg_client: Http1Client | None = field(default=None, repr=False)
     # Set once the proxy is stopping: new requests and /health answer 503 while the requests
     # in flight finish (stages.serve.proxy.app.DrainingServer).
@@ -77,14 +75,15 @@ class ProxyState:
         c = self.config
         self.prefill_limits = leg_limits(c.prefill_timeout_s, c.connect_timeout_s)
         self.decode_limits = leg_limits(c.decode_timeout_s, c.connect_timeout_s)
-        self.prefill_timeout = leg_timeout(c.prefill_timeout_s, c.connect_timeout_s)
-        self.health_timeout = leg_timeout(c.health_timeout_s, c.health_timeout_s)
+        self.prefill_timeout = leg_limits(c.prefill_timeout_s, c.connect_timeout_s)
+        self.health_timeout = leg_limits(c.health_timeout_s, c.health_timeout_s)
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("the proxy's HTTP session exists only while the app is running")
-        return self._session
+    def control_client(self) -> Http1Client:
+        """The client of every upstream call but the legs (upstream.open_control_client)."""
+        if self._control_client is None:
+            raise RuntimeError("the proxy's control client exists only while the app is running")
+        return self._control_client
 
     @property
     def leg_client(self) -> Http1Client:
@@ -141,7 +140,7 @@ def build_state(
     if config.self_check is not None:
         checks = SelfChecks(
             config.self_check, config.model,
-            leg_timeout(config.self_check_timeout_s, config.connect_timeout_s),
+            leg_limits(config.self_check_timeout_s, config.connect_timeout_s),
             (prefill, decode), restarts, verified_at_start=config.checked_at_start,
         )
     recorder = None

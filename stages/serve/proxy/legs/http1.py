@@ -1,13 +1,13 @@
-"""A pooled HTTP/1.1 client for the proxy's two hot legs: a POST to a prefill worker, a POST to
-a decode worker (its answer read whole or relayed chunk by chunk).
+"""The proxy's one HTTP/1.1 client, pooled, for every call it makes to a worker or a peer: the
+two hot legs (a POST to a prefill worker, a POST to a decode worker, its answer read whole or
+relayed chunk by chunk) and the rest (health probes, self-checks, /v1/models, peers).
 
-Why not aiohttp here: every client request costs two upstream requests, and aiohttp's client
-was the largest single share of the proxy's CPU per request (examples/bench_upstream_client.py
-measures both). This client does only what the legs need: a POST with a bytes body, the answer's
+Why not aiohttp: every client request costs two upstream requests, and aiohttp's client was the
+largest single share of the proxy's CPU per request (examples/bench_upstream_client.py measures
+both). This client does only what the proxy needs: a request with a bytes body, the answer's
 status, headers and body (Content-Length, chunked, or until the worker closes cleanly: a reset
 cuts it), bytes passed on as they came (nothing decompressed), and keep-alive connections pooled
-per worker URL. Health checks, self-checks and the rest keep aiohttp
-(stages.serve.proxy.legs.upstream).
+per worker URL.
 
 Rules the legs rely on:
 - A connection goes back to the pool only when the parser saw its answer's end and the worker
@@ -27,7 +27,7 @@ import math
 import re
 import ssl
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import overload
 from urllib.parse import urlsplit
@@ -412,8 +412,9 @@ class Http1Client:
         self._loop = asyncio.get_running_loop()
         self._limit = max_connections
         self._keepalive_s = keepalive_s
-        fixed = headers or {}
-        self._fixed = _header_lines(fixed)
+        self._fixed_headers = dict(headers or {})
+        self._fixed = _header_lines(self._fixed_headers)
+        self._fixed_names = frozenset(name.lower() for name in self._fixed_headers)
         self._in_use = 0  # connections held by requests, opening ones included
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._origins: dict[str, _Origin] = {}
@@ -436,11 +437,19 @@ class Http1Client:
         origin = self._origins.get(url)
         return 0 if origin is None else sum(not c.closed for c in origin.idle)
 
-    async def post(
+    def post(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts,
         on_connection: Callable[[], None] | None = None,
+    ) -> Coroutine[None, None, Response]:
+        """``request("POST", ...)``."""
+        return self.request("POST", url, path, body, headers, timeouts, on_connection)
+
+    async def request(
+        self, method: str, url: str, path: str, body: bytes, headers: Mapping[str, str],
+        timeouts: Timeouts, on_connection: Callable[[], None] | None = None,
     ) -> Response:
-        """POST ``body`` to ``url`` + ``path``; the answer once its headers arrived.
+        """Send ``method`` with ``body`` to ``url`` + ``path``; the answer once its headers
+        arrived. A header in ``headers`` replaces the client's own of that name.
 
         ``headers`` must not repeat Host, Content-Length or the client's own headers; ``path``
         must be a URL's path (and query) as it goes on the request line, or ValueError. Raises
@@ -457,9 +466,15 @@ class Http1Client:
         if origin is None:
             origin = self._origins[url] = _Origin(url)
         # Built before a slot is taken: a header that cannot be sent is the caller's bug.
+        fixed = self._fixed
+        if self._fixed_names and any(name.lower() in self._fixed_names for name in headers):
+            fixed = _header_lines(
+                {k: v for k, v in self._fixed_headers.items() if k.lower() not in
+                 {name.lower() for name in headers}}
+            )
         head = (
-            f"POST {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.authority}\r\n"
-            f"{self._fixed}Content-Length: {len(body)}\r\n{_header_lines(headers)}\r\n"
+            f"{method} {origin.prefix}{path} HTTP/1.1\r\nHost: {origin.authority}\r\n"
+            f"{fixed}Content-Length: {len(body)}\r\n{_header_lines(headers)}\r\n"
         ).encode("latin-1")
         conn = await self._acquire(origin, timeouts)
         try:

@@ -10,7 +10,7 @@ import orjson
 from stages.routing.policies import PrefillRequest
 from stages.serve.proxy.front.request_context import RequestContext
 from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
-from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
+from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, fetch
 from stages.serve.proxy.state import ProxyState
 
 
@@ -89,9 +89,8 @@ async def answers_health(state: ProxyState, url: str) -> bool:
     """Whether the worker at ``url`` answers its health probe now (vLLM: 200 while its engine
     runs)."""
     try:
-        async with state.session.get(url + "/health", timeout=state.health_timeout) as resp:
-            await resp.read()
-            return resp.status == 200
+        reply = await fetch(state.control_client, "GET", url, "/health", state.health_timeout)
+        return reply.status == 200
     except (*NOT_DELIVERED, *UPSTREAM_ERRORS):
         return False
 

@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from stages.serve.proxy.front.responses import json_error, json_response
-from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS
+from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS, fetch
 from stages.serve.proxy.state import ProxyState
 from stages.serve.proxy.view.peers import metrics_headers, metrics_of_all
 
@@ -20,15 +20,15 @@ async def models(request: Request) -> Response:
             continue
         url = state.prefill.urls[i]
         try:
-            async with state.session.get(url + "/v1/models", timeout=state.prefill_timeout) as resp:
-                content = await resp.read()
+            reply = await fetch(state.control_client, "GET", url, "/v1/models",
+                                state.prefill_timeout)
         except UPSTREAM_ERRORS as exc:
             failures.append(f"{url}: {exc!r}")
             continue
         return Response(
-            content,
-            status_code=resp.status,
-            media_type=resp.headers.get("Content-Type", "application/json"),
+            reply.content,
+            status_code=reply.status,
+            media_type=reply.headers.get("Content-Type", "application/json"),
         )
     return json_error(
         502, "no prefill worker answered /v1/models: " + "; ".join(failures), "prefill_failed"

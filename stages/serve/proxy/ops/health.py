@@ -15,9 +15,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
-
-from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS
+from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
+from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, fetch
 from stages.serve.proxy.ops.rejoin import SelfChecks
 from stages.serve.proxy.view.workers import WorkerPool
 
@@ -35,8 +34,8 @@ def _take_out(pool: WorkerPool, index: int, reason: str) -> None:
 
 @dataclass
 class Prober:
-    session: aiohttp.ClientSession
-    timeout: aiohttp.ClientTimeout
+    client: Http1Client
+    timeout: Timeouts
     slow_limit: int = SLOW_PROBES_BEFORE_DOWN
     # None: a worker rejoins at its first 200 (a proxy that does not know the served model).
     checks: SelfChecks | None = None
@@ -47,9 +46,7 @@ class Prober:
         url = pool.urls[index]
         key = (pool.role, index)
         try:
-            async with self.session.get(url + "/health", timeout=self.timeout) as resp:
-                await resp.read()  # read to the end so the connection can be reused
-                status = resp.status
+            status = (await fetch(self.client, "GET", url, "/health", self.timeout)).status
         except NOT_DELIVERED as exc:
             self._slow.pop(key, None)
             self._down(pool, index, f"health probe: no connection ({exc.__class__.__name__})")
@@ -69,7 +66,7 @@ class Prober:
         elif self.checks is None:
             pool.mark_healthy(index)
         elif not self.checks.trusted(pool, index):
-            self.checks.admit(self.session, pool, index)  # rejoins once it passes
+            self.checks.admit(self.client, pool, index)  # rejoins once it passes
 
     def _down(self, pool: WorkerPool, index: int, reason: str) -> None:
         _take_out(pool, index, reason)
@@ -82,13 +79,13 @@ class Prober:
 
 
 async def health_loop(
-    session: aiohttp.ClientSession,
+    client: Http1Client,
     pools: list[WorkerPool],
     interval_s: float,
-    timeout: aiohttp.ClientTimeout,
+    timeout: Timeouts,
     checks: SelfChecks | None = None,
 ) -> None:
-    prober = Prober(session, timeout, checks=checks)
+    prober = Prober(client, timeout, checks=checks)
     try:
         while True:
             started = time.monotonic()
@@ -97,4 +94,4 @@ async def health_loop(
             await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
     finally:
         if checks is not None:
-            await checks.close()  # no self-check may outlive the session it runs on
+            await checks.close()  # no self-check may outlive the client it runs on

@@ -18,9 +18,8 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import aiohttp
-
 from stages.errors import EldrError
+from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
 from stages.serve.proxy.ops.self_check import (
     check_records_signatures_async,
     read_served_name_async,
@@ -57,7 +56,7 @@ class SelfChecks:
         self,
         identity: ModelIdentity,
         model_name: str | None,
-        timeout: aiohttp.ClientTimeout,
+        timeout: Timeouts,
         pools: Iterable[WorkerPool],
         restarts: RestartCounts,
         verified_at_start: bool = False,
@@ -89,13 +88,13 @@ class SelfChecks:
             and rec.restarts == self._restarts(pool.urls[index])
         )
 
-    def admit(self, session: aiohttp.ClientSession, pool: WorkerPool, index: int) -> None:
+    def admit(self, client: Http1Client, pool: WorkerPool, index: int) -> None:
         """Self-check a worker that answers ``/health`` (unless a check of it runs already);
         it rejoins rotation when the check passes."""
         rec = self._records[(pool.role, index)]
         if rec.task is None or rec.task.done():
             rec.task = asyncio.create_task(
-                self._check(session, pool, index), name=f"eldr-self-check-{pool.name(index)}"
+                self._check(client, pool, index), name=f"eldr-self-check-{pool.name(index)}"
             )
 
     def forget(self, pool: WorkerPool, index: int) -> None:
@@ -112,15 +111,15 @@ class SelfChecks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _check(self, session: aiohttp.ClientSession, pool: WorkerPool, index: int) -> None:
+    async def _check(self, client: Http1Client, pool: WorkerPool, index: int) -> None:
         url = pool.urls[index]
         # Read before asking: a restart while the check runs shows as a new count later.
         restarts = self._restarts(url)
         try:
             if self._model_name is not None:
-                await self._check_served_name(session, url)
+                await self._check_served_name(client, url)
             await check_records_signatures_async(
-                session, url, self.identity, self._model_name, self._timeout
+                client, url, self.identity, self._model_name, self._timeout
             )
         except EldrError as exc:
             self._failed(pool, index, str(exc))
@@ -134,9 +133,9 @@ class SelfChecks:
         rec.passed += 1
         pool.mark_healthy(index)
 
-    async def _check_served_name(self, session: aiohttp.ClientSession, url: str) -> None:
+    async def _check_served_name(self, client: Http1Client, url: str) -> None:
         """A worker back under another name would answer every request 404: say so."""
-        name = await read_served_name_async(session, url, self._timeout)
+        name = await read_served_name_async(client, url, self._timeout)
         if name != self._model_name:
             raise EldrError(
                 f"worker {url} serves the model as {name!r}, the proxy forwards it as"

@@ -7,7 +7,7 @@ served model's shape, built MoE layers as the config says, and every layer count
 
 `eldr serve` asks every worker before the proxy opens (``check_records_signatures``, blocking);
 the proxy asks again whenever a worker rejoins rotation (``check_records_signatures_async``, on
-its own aiohttp session; proxy.ops.rejoin). Both send ``probe_body`` and judge the answer
+the proxy's control client; proxy.ops.rejoin). Both send ``probe_body`` and judge the answer
 with ``check_answer``, so the two can never disagree on what a valid answer is.
 
 Workers the user started (``--attach-*``) serve the model under whatever name they were given,
@@ -17,16 +17,23 @@ their model path by vLLM's default: the name is read from each one's ``/v1/model
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
-import httpx
 import orjson
 
 from stages.errors import EldrError
 from stages.models import check_built_layers
-from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS, bearer_header
+from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
+from stages.serve.proxy.legs.upstream import (
+    KEEPALIVE_S,
+    UPSTREAM_ERRORS,
+    Reply,
+    bearer_header,
+    fetch,
+    leg_limits,
+)
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 
@@ -92,33 +99,48 @@ def check_signature(who: str, params: dict[str, Any] | None, identity: ModelIden
         )
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
 def check_records_signatures(
     url: str, identity: ModelIdentity, model_name: str | None, api_key: str | None = None,
     timeout_s: float = CHECK_TIMEOUT_S,
 ) -> None:
     """Start-up check (blocking, before the proxy's event loop exists)."""
     try:
-        response = httpx.post(f"{url}/v1/completions", json=probe_body(model_name),
-                              headers=bearer_header(api_key), timeout=timeout_s)
-    except httpx.HTTPError as exc:
+        reply = fetch_blocking("POST", url, "/v1/completions", {**bearer_header(api_key), **_JSON},
+                               timeout_s, orjson.dumps(probe_body(model_name)))
+    except UPSTREAM_ERRORS as exc:
         raise EldrError(f"self-check of worker {url} failed: {exc!r}") from exc
-    check_answer(url, response.status_code, response.content, identity)
+    check_answer(url, reply.status, reply.content, identity)
 
 
 async def check_records_signatures_async(
-    session: aiohttp.ClientSession, url: str, identity: ModelIdentity, model_name: str | None,
-    timeout: aiohttp.ClientTimeout,
+    client: Http1Client, url: str, identity: ModelIdentity, model_name: str | None,
+    timeout: Timeouts,
 ) -> None:
-    """Run-time check on the proxy's session (which already sends the worker key)."""
+    """Run-time check on the proxy's control client (which already sends the worker key)."""
     try:
-        async with session.post(
-            f"{url}/v1/completions", json=probe_body(model_name), timeout=timeout
-        ) as resp:
-            content = await resp.read()
-            status = resp.status
+        reply = await fetch(client, "POST", url, "/v1/completions", timeout, _JSON,
+                            orjson.dumps(probe_body(model_name)))
     except UPSTREAM_ERRORS as exc:
         raise EldrError(f"self-check of worker {url} failed: {exc!r}") from exc
-    check_answer(url, status, content, identity)
+    check_answer(url, reply.status, reply.content, identity)
+
+
+def fetch_blocking(
+    method: str, url: str, path: str, headers: Mapping[str, str], timeout_s: float,
+    body: bytes = b"",
+) -> Reply:
+    """One call to a worker from outside any event loop (eldr serve's start-up), on a client
+    of its own; ``timeout_s`` bounds connecting and every wait for the worker's bytes."""
+
+    async def call() -> Reply:
+        async with Http1Client(1, KEEPALIVE_S) as client:
+            return await fetch(client, method, url, path, leg_limits(timeout_s, timeout_s),
+                               headers, body)
+
+    return asyncio.run(call())
 
 
 def served_name(url: str, status: int, content: bytes) -> str:
@@ -140,23 +162,19 @@ def read_served_name(url: str, api_key: str | None = None,
                      timeout_s: float = CHECK_TIMEOUT_S) -> str:
     """A worker's served model name (blocking, at start-up)."""
     try:
-        response = httpx.get(f"{url}/v1/models", headers=bearer_header(api_key),
-                             timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise EldrError(f"cannot read the model worker {url} serves: {exc!r}") from exc
-    return served_name(url, response.status_code, response.content)
-
-
-async def read_served_name_async(session: aiohttp.ClientSession, url: str,
-                                 timeout: aiohttp.ClientTimeout) -> str:
-    """A worker's served model name, on the proxy's session (a worker that rejoins)."""
-    try:
-        async with session.get(f"{url}/v1/models", timeout=timeout) as resp:
-            content = await resp.read()
-            status = resp.status
+        reply = fetch_blocking("GET", url, "/v1/models", bearer_header(api_key), timeout_s)
     except UPSTREAM_ERRORS as exc:
         raise EldrError(f"cannot read the model worker {url} serves: {exc!r}") from exc
-    return served_name(url, status, content)
+    return served_name(url, reply.status, reply.content)
+
+
+async def read_served_name_async(client: Http1Client, url: str, timeout: Timeouts) -> str:
+    """A worker's served model name, on the proxy's control client (a worker that rejoins)."""
+    try:
+        reply = await fetch(client, "GET", url, "/v1/models", timeout)
+    except UPSTREAM_ERRORS as exc:
+        raise EldrError(f"cannot read the model worker {url} serves: {exc!r}") from exc
+    return served_name(url, reply.status, reply.content)
 
 
 def agreed_served_name(names: Mapping[str, str], expected: str | None = None) -> str:

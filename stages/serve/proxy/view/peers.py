@@ -11,10 +11,10 @@ a peer that was not reached.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 
-from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS
+from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS, fetch, leg_limits
 from stages.serve.proxy.state import ProxyState
 
 PEER_HEADER = "X-Eldr-Peer"
@@ -30,7 +30,9 @@ PEER_HEADER = "X-Eldr-Peer"
 PROXY_HEADER = "X-Eldr-Proxy"
 # The label that tells the proxies' series apart in the merged /metrics.
 PROXY_LABEL = "proxy"
-_PEER_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+# A peer's whole answer, as each wait within it.
+_PEER_TIMEOUT_S = 10.0
+_PEER_LIMITS = leg_limits(_PEER_TIMEOUT_S, _PEER_TIMEOUT_S)
 
 
 def from_peer(request: Request) -> bool:
@@ -49,18 +51,17 @@ async def tell_peers(
     auth = request.headers.get("authorization")
     if auth is not None:  # the peers share this proxy's admin key
         headers["Authorization"] = auth
-    data = orjson.dumps(body) if body is not None else None
+    data = orjson.dumps(body) if body is not None else b""
     answers = []
     for url in state.config.peers:
         answer: dict[str, Any] = {"peer": url}
         try:
-            async with state.session.request(
-                request.method, url + request.url.path, data=data, headers=headers,
-                timeout=_PEER_TIMEOUT,
-            ) as resp:
-                answer["status"] = resp.status
-                if resp.status >= 400:
-                    answer["error"] = (await resp.read())[:500].decode(errors="replace")
+            async with asyncio.timeout(_PEER_TIMEOUT_S):
+                reply = await fetch(state.control_client, request.method, url,
+                                    request.url.path, _PEER_LIMITS, headers, data)
+            answer["status"] = reply.status
+            if reply.status >= 400:
+                answer["error"] = reply.content[:500].decode(errors="replace")
         except UPSTREAM_ERRORS as exc:
             answer["error"] = repr(exc)
         answers.append(answer)
@@ -81,10 +82,11 @@ async def metrics_of_all(state: ProxyState, request: Request) -> bytes:
     headers = {PEER_HEADER: state.config.proxy_id}
     for url in state.config.peers:
         try:
-            async with state.session.get(url + "/metrics", headers=headers,
-                                         timeout=_PEER_TIMEOUT) as resp:
-                if resp.status == 200:
-                    texts[resp.headers.get(PROXY_HEADER, url)] = await resp.read()
+            async with asyncio.timeout(_PEER_TIMEOUT_S):
+                reply = await fetch(state.control_client, "GET", url, "/metrics", _PEER_LIMITS,
+                                    headers)
+            if reply.status == 200:
+                texts[reply.headers.get(PROXY_HEADER, url)] = reply.content
         except UPSTREAM_ERRORS:
             # A peer that is restarting or gone: its series are missing from this scrape, as
             # Prometheus shows any target it could not reach, and the rest are still served.
