@@ -99,3 +99,32 @@ def test_a_decode_worker_holding_the_history_prefills_the_new_turn_itself() -> N
 def test_local_prefill_needs_to_know_the_kv() -> None:
     request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL)
     assert _policy(local_prefill_below=512).choose_local(request, _prefill(cached=0)) is None
+
+
+def _older_worker_chosen(name: str, counts: np.ndarray | None, seed: int) -> int:
+    """Two workers, one request each, equal loads: worker 0's joined a decision earlier, so
+    it leaves first. Which does a third request of the same length go to?"""
+    policy = make_policy(name, RoutingContext(2, seed=seed, top_k=2), {"cost": "gpu"})
+    loads = np.zeros(2, dtype=np.int64)
+    for worker, key in ((0, "a"), (1, "b")):
+        request = RoutingRequest(loads=loads.copy(), eligible=np.ones(2, dtype=bool),
+                                 counts=counts, output_tokens=100)
+        policy.choose(request)
+        policy.on_dispatch(worker, request, key)
+        loads[worker] += 1
+    return policy.choose(RoutingRequest(loads=loads, eligible=np.ones(2, dtype=bool),
+                                        counts=counts, output_tokens=100))
+
+
+def test_equal_loads_the_worker_whose_requests_end_sooner_wins() -> None:
+    """eldr-kv weighs a worker's requests by the steps they will share with the new one (by
+    Little's law, from the decisions since they joined), not by how many run now."""
+    counts = np.zeros((4, 16), dtype=np.int16)
+    counts[:, :4] = 3
+    for seed in range(8):
+        assert _older_worker_chosen("eldr-kv", None, seed) == 0
+        assert _older_worker_chosen("eldr-kv", counts, seed) == 0
+
+
+def test_the_kv_only_yardstick_counts_requests_in_flight_as_the_kv_routers_do() -> None:
+    assert {_older_worker_chosen("kv", None, seed) for seed in range(16)} == {0, 1}

@@ -26,6 +26,7 @@ that cannot be tokenized as the worker does) eldr-kv is eldr-union.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -40,6 +41,7 @@ from stages.routing.policies.select import eligible_indices
 from stages.routing.scorers.kv_pull import kv_pull_s
 from stages.routing.scorers.load import added_step_s
 from stages.routing.scorers.prefill_queue import prefill_ready_s
+from stages.routing.scorers.residual_load import shared_load
 
 # When a request sets no max_tokens: what a chat answer runs to, roughly.
 DEFAULT_OUTPUT_TOKENS = 256
@@ -92,6 +94,9 @@ class EldrKvPolicy(EldrUnionPolicy):
         self._total = np.zeros(self.num_workers)
         self._cost_for: tuple[int, int] | None = None
         self._cost: CostModel | None = None
+        # Requests in flight: key -> (decode worker, decision it joined at, output tokens).
+        self._flight: dict[Hashable, tuple[int, int, int]] = {}
+        self._decisions = 0
 
     def _costs(self) -> CostModel:
         """The engine's costs: eldr-union's step model once a signature told the model's
@@ -161,16 +166,48 @@ class EldrKvPolicy(EldrUnionPolicy):
         tokens = request.output_tokens or self.params.output_tokens
         pi = self._predict(request)
         total = self._total
+        beside, present = self._beside(request, tokens)
         if pi is not None:
             ties, _ = self._score(request, pi, self.params.load_slack)
             if ties == 0:
                 return None
-            np.multiply(self._latency, tokens, out=total)
+            assert self._load is not None and self._step is not None  # set with the first pi
+            fixed, per_seq, per_expert = self._step
+            distinct = self._load.distinct
+            # eldr-union's per-token seconds with the requests beside it over its life in
+            # place of those beside it now; the experts they read leave with them.
+            staying = np.divide(beside, present, out=np.ones_like(beside), where=present > 0)
+            per_token = (fixed + per_seq * beside + per_expert * distinct * staying
+                         + (beside + 1.0) * (per_seq + per_expert * self._added))
+            np.multiply(np.where(np.isinf(self._latency), np.inf, per_token), tokens, out=total)
         else:
             # Experts unknown: any constant count shifts every worker's step alike.
-            total[:] = tokens * added_step_s(loads, self._costs(), distinct=0.0)
+            total[:] = tokens * added_step_s(beside, self._costs(), distinct=0.0)
             total[~self._admits(loads, eligible)] = np.inf
         return total
+
+    def _beside(self, request: RoutingRequest, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """[W] requests each worker will run beside this one over its life (fractional:
+        ``scorers.residual_load``) and [W] those it runs now, as far as this policy saw them
+        dispatched."""
+        flight = self._flight
+        if not flight:
+            return np.zeros(self.num_workers), np.zeros(self.num_workers)
+        worker, joined, their_tokens = (np.fromiter(column, np.int64, len(flight))
+                                        for column in zip(*flight.values(), strict=True))
+        present = np.bincount(worker, minlength=self.num_workers).astype(np.float64)
+        beside = shared_load(worker, (self._decisions - joined).astype(np.float64),
+                             their_tokens.astype(np.float64), tokens, self.num_workers)
+        return beside, present
+
+    def on_dispatch(self, worker: int, request: RoutingRequest, key: Hashable) -> None:
+        super().on_dispatch(worker, request, key)
+        self._flight[key] = (worker, self._decisions, request.output_tokens)  # 0: unknown
+        self._decisions += 1
+
+    def on_complete(self, worker: int, key: Hashable) -> None:
+        super().on_complete(worker, key)
+        self._flight.pop(key, None)
 
     def _admits(self, loads: np.ndarray, eligible: np.ndarray) -> np.ndarray:
         """eldr-union's filters for a request without a signature."""
@@ -201,3 +238,8 @@ class KvOnlyPolicy(EldrKvPolicy):
 
     def _predict(self, request: RoutingRequest) -> None:
         return None
+
+    def _beside(self, request: RoutingRequest, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """The KV-aware routers weigh load by requests in flight now."""
+        loads = request.loads.astype(np.float64)
+        return loads, loads
