@@ -208,3 +208,26 @@ def test_policy_config_keeps_what_was_given_per_policy() -> None:
 def test_policy_config_option_refusals(text: str, message: str) -> None:
     with pytest.raises(EldrError, match="^" + message.replace("(", r"\(")):
         policy_config(text)
+
+
+def test_a_deployment_default_fills_only_what_the_user_left_unsaid() -> None:
+    given = PolicyConfig.from_json('{"eldr-kv": {"cost": "gpu"}}')
+    config = given.with_default("cost", "cpu")
+    assert config.overrides("eldr-kv")["cost"] == "gpu"  # the user's word stands
+    with_cost = {name for name, cls in POLICIES.items()
+                 if "cost" in {f.name for f in fields(cls.Params)}}
+    assert {"eldr-union", "eldr-kv"} <= with_cost
+    for name in with_cost - {"eldr-kv"}:
+        assert config.overrides(name) == {"cost": "cpu"}
+    for name in set(POLICIES) - with_cost:  # load balancers have no cost to set
+        assert config.overrides(name) == {}
+
+
+def test_serve_prices_workers_it_starts_on_cpus_with_the_cpu_preset() -> None:
+    from stages.serve.deploy import _platform_defaults
+
+    assert _platform_defaults(PolicyConfig(), attached=False, cpu=True).overrides(
+        "eldr-kv") == {"cost": "cpu"}
+    assert _platform_defaults(PolicyConfig(), attached=False, cpu=False) == PolicyConfig()
+    # Attached workers may be GPUs whatever the proxy's machine is.
+    assert _platform_defaults(PolicyConfig(), attached=True, cpu=True) == PolicyConfig()

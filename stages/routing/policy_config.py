@@ -9,13 +9,13 @@ checked when the config is made, so a bad one is refused before anything runs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import orjson
 
 from stages.errors import EldrError
-from stages.routing.policies import policy_params
+from stages.routing.policies import POLICIES, policy_params
 
 Overrides = tuple[tuple[str, Any], ...]
 
@@ -64,6 +64,17 @@ class PolicyConfig:
         """This config with ``overrides`` applied to policy ``name``'s options."""
         entries = dict(self.entries)
         entries[name] = tuple({**self.overrides(name), **overrides}.items())
+        return PolicyConfig(tuple(entries.items()))
+
+    def with_default(self, option: str, value: Any) -> PolicyConfig:
+        """This config where every policy that has ``option`` and was not given it takes
+        ``value``: a deployment's default (e.g. the cost preset of the workers' platform),
+        below what the user said."""
+        entries = dict(self.entries)
+        for name, cls in POLICIES.items():
+            if option in {f.name for f in fields(cls.Params)} and option not in dict(
+                    entries.get(name, ())):
+                entries[name] = (*entries.get(name, ()), (option, value))
         return PolicyConfig(tuple(entries.items()))
 
     def to_json(self) -> dict[str, dict[str, Any]]:

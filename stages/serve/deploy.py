@@ -148,6 +148,14 @@ class ServePlan:
 
 
 
+def _platform_defaults(config: PolicyConfig, attached: bool, cpu: bool) -> PolicyConfig:
+    """The policies' own cost default is the GPU-like preset; workers eldr starts on CPUs are
+    priced with the CPU one (measured on vLLM's CPU MoE kernel), so a KV pull, a queued prefill
+    token and an expert weigh what they cost there. Attached workers' platform is not known
+    here: ``--policy-config`` says it for them."""
+    return config.with_default("cost", "cpu") if cpu and not attached else config
+
+
 def plan(options: ServeOptions) -> ServePlan:
     """Check every option, the artifact, the models, cores and ports; start nothing."""
     from stages.engine import on_cpu
@@ -194,7 +202,8 @@ def plan(options: ServeOptions) -> ServePlan:
     use_store = needs_centroids(o.policy) or store.exists()
     config = ProxyConfig(
         prefill_urls=prefill_urls, decode_urls=decode_urls, policy=o.policy,
-        policy_config=o.policy_config, artifact_store=store if use_store else None,
+        policy_config=_platform_defaults(o.policy_config, attached=o.attach, cpu=on_cpu()),
+        artifact_store=store if use_store else None,
         artifact_version=o.artifact, model=o.served_as,
         online_refit=o.online_refit, seed=o.seed,
         decode_slots=None if o.attach else o.max_num_seqs, max_queued=o.max_queued,
