@@ -127,7 +127,7 @@ class _Run:
                  answer_hashes: list[list[int]], arrays: SignatureArrays,
                  profiles: DecodeProfiles, policy: DecodePolicy, top_k: int,
                  transform: Callable[[np.ndarray], np.ndarray] | None) -> None:
-        from stages.serve.proxy.legs.prefill_router import PrefillRouter
+        from stages.routing.prefill_router import PrefillRouter
 
         self.cfg, self.turns, self.policy = config, turns, policy
         # A policy that routes prefill too (KV-aware) has its own choice; the others (no

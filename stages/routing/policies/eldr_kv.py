@@ -166,18 +166,17 @@ class EldrKvPolicy(EldrUnionPolicy):
         tokens = request.output_tokens or self.params.output_tokens
         pi = self._predict(request)
         total = self._total
-        beside, present = self._beside(request, tokens)
+        beside = self._beside(request, tokens)
         if pi is not None:
             ties, _ = self._score(request, pi, self.params.load_slack)
             if ties == 0:
                 return None
             assert self._load is not None and self._step is not None  # set with the first pi
             fixed, per_seq, per_expert = self._step
-            distinct = self._load.distinct
             # eldr-union's per-token seconds with the requests beside it over its life in
-            # place of those beside it now; the experts they read leave with them.
-            staying = np.divide(beside, present, out=np.ones_like(beside), where=present > 0)
-            per_token = (fixed + per_seq * beside + per_expert * distinct * staying
+            # place of those beside it now. The experts a worker reads stay as they are: the
+            # requests that replace the leaving ones are sent there for the same experts.
+            per_token = (fixed + per_seq * beside + per_expert * self._load.distinct
                          + (beside + 1.0) * (per_seq + per_expert * self._added))
             np.multiply(np.where(np.isinf(self._latency), np.inf, per_token), tokens, out=total)
         else:
@@ -186,19 +185,16 @@ class EldrKvPolicy(EldrUnionPolicy):
             total[~self._admits(loads, eligible)] = np.inf
         return total
 
-    def _beside(self, request: RoutingRequest, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """[W] requests each worker will run beside this one over its life (fractional:
-        ``scorers.residual_load``) and [W] those it runs now, as far as this policy saw them
-        dispatched."""
+    def _beside(self, request: RoutingRequest, tokens: int) -> np.ndarray:
+        """[W] requests each worker will run beside this one over its life, as far as this
+        policy saw them dispatched (fractional: ``scorers.residual_load``)."""
         flight = self._flight
         if not flight:
-            return np.zeros(self.num_workers), np.zeros(self.num_workers)
+            return np.zeros(self.num_workers)
         worker, joined, their_tokens = (np.fromiter(column, np.int64, len(flight))
                                         for column in zip(*flight.values(), strict=True))
-        present = np.bincount(worker, minlength=self.num_workers).astype(np.float64)
-        beside = shared_load(worker, (self._decisions - joined).astype(np.float64),
-                             their_tokens.astype(np.float64), tokens, self.num_workers)
-        return beside, present
+        return shared_load(worker, (self._decisions - joined).astype(np.float64),
+                           their_tokens.astype(np.float64), tokens, self.num_workers)
 
     def on_dispatch(self, worker: int, request: RoutingRequest, key: Hashable) -> None:
         super().on_dispatch(worker, request, key)
@@ -239,7 +235,6 @@ class KvOnlyPolicy(EldrKvPolicy):
     def _predict(self, request: RoutingRequest) -> None:
         return None
 
-    def _beside(self, request: RoutingRequest, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """The KV-aware routers weigh load by requests in flight now."""
-        loads = request.loads.astype(np.float64)
-        return loads, loads
+    def _beside(self, request: RoutingRequest, tokens: int) -> np.ndarray:
+        """The KV-aware routers weigh load by the requests in flight now."""
+        return request.loads.astype(np.float64)
