@@ -36,7 +36,7 @@ import orjson
 
 from stages.procs.health import wait_healthy
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.front.payloads import decode_body, prefill_body
+from stages.serve.proxy.front.request import decode_body, prefill_body
 from stages.signature.dataset import ModelIdentity
 
 try:

@@ -9,7 +9,7 @@ import uvicorn
 
 from stages.serve.proxy import create_app
 from stages.serve.proxy.app import DrainingServer
-from stages.serve.proxy.front.admission import admit
+from stages.serve.proxy.front.completions import admit
 from tests.test_proxy import fast_config
 
 

@@ -9,10 +9,10 @@ import pytest
 
 from stages.errors import EldrError
 from stages.routing.policy_config import PolicyConfig
+from stages.routing.prefill_router import PrefillRouter
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.front.payloads import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
+from stages.serve.proxy.front.request import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
 from stages.serve.proxy.legs.decode_router import DecodeRouter
-from stages.serve.proxy.legs.prefill_router import PrefillRouter
 from stages.serve.proxy.legs.sse import IncompleteEvent, is_done, whole_events
 from stages.serve.proxy.view.workers import WorkerPool
 from stages.signature import wire

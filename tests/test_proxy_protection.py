@@ -12,7 +12,7 @@ import pytest
 
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
-from stages.serve.proxy.front.admission import Overloaded, admit
+from stages.serve.proxy.front.completions import Overloaded, admit
 from stages.serve.proxy.front.responses import ProxyError
 from stages.serve.proxy.state import build_state
 from stages.serve.proxy.view.workers import Ejection, WorkerPool

@@ -59,7 +59,7 @@ from stages.routing.cost_model import (
     fit_prefill,
     fit_quality,
 )
-from stages.serve.proxy.front.payloads import PREFILL_KV_TRANSFER_PARAMS
+from stages.serve.proxy.front.request import PREFILL_KV_TRANSFER_PARAMS
 from stages.signature import wire
 
 

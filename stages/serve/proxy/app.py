@@ -57,8 +57,8 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     state: ProxyState = app.state.proxy
     c = state.config
     async with open_control_client(c) as control_client, open_leg_client(c) as leg_client:
-        state._control_client = control_client
-        state._leg_client = leg_client
+        state.control_client = control_client
+        state.leg_client = leg_client
         loops = [
             (
                 "eldr-health",
@@ -107,8 +107,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                 task.cancel()
             # Crashes were logged by _report_crash; here we only wait for the cancellations.
             await asyncio.gather(*tasks, return_exceptions=True)
-            state._control_client = None
-            state._leg_client = None
+            del state.control_client, state.leg_client
             # Collectable again: at exit, objects never collected make extension modules
             # (nanobind's) print leak reports.
             gc.unfreeze()

@@ -130,19 +130,18 @@ class ProxyConfig:
     admin_api_key: str | None = field(default=None, repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
 
-    @property
-    def admission_limit(self) -> int | None:
-        """Requests in flight (prefilling or decoding) past which new ones are shed."""
-        if self.max_queued is None:
-            return None
-        slots = (self.decode_slots or 0) * len(self.decode_urls)
-        return slots + self.max_queued
+    # Requests in flight (prefilling or decoding) past which new ones are shed; None: none
+    # are. Derived from max_queued and the decode slots (set in __post_init__).
+    admission_limit: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Accept lists from callers that build configs from JSON/CLI, but store tuples so the
         # value stays hashable and immutable.
         object.__setattr__(self, "prefill_urls", tuple(u.rstrip("/") for u in self.prefill_urls))
         object.__setattr__(self, "decode_urls", tuple(u.rstrip("/") for u in self.decode_urls))
+        slots = (self.decode_slots or 0) * len(self.decode_urls)
+        limit = None if self.max_queued is None else slots + self.max_queued
+        object.__setattr__(self, "admission_limit", limit)
         object.__setattr__(self, "peers", tuple(u.rstrip("/") for u in self.peers))
         object.__setattr__(self, "decode_batch_endpoints", tuple(self.decode_batch_endpoints))
         if self.decode_batch_endpoints and len(self.decode_batch_endpoints) != len(

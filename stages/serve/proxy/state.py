@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from stages.errors import EldrError
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.policies import needs_centroids
+from stages.routing.prefill_router import PrefillRouter
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.legs.decode_router import DecodeRouter
 from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
-from stages.serve.proxy.legs.prefill_router import PrefillRouter
 from stages.serve.proxy.legs.upstream import leg_limits
 from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.ops.metrics import ProxyMetrics
@@ -48,8 +48,10 @@ class ProxyState:
     decode_limits: Timeouts = field(init=False, repr=False)
     prefill_timeout: Timeouts = field(init=False, repr=False)  # /v1/models
     health_timeout: Timeouts = field(init=False, repr=False)
-    _control_client: Http1Client | None = field(default=None, repr=False)
-    _leg_client: Http1Client | None = field(default=None, repr=False)
+    # The clients exist while the app runs (its lifespan opens and closes them): the legs'
+    # (upstream.open_leg_client) and every other call's (upstream.open_control_client).
+    leg_client: Http1Client = field(init=False, repr=False)
+    control_client: Http1Client = field(init=False, repr=False)
     # Set once the proxy is stopping: new requests and /health answer 503 while the requests
     # in flight finish (stages.serve.proxy.app.DrainingServer).
     draining: bool = False
@@ -77,20 +79,6 @@ class ProxyState:
         self.decode_limits = leg_limits(c.decode_timeout_s, c.connect_timeout_s)
         self.prefill_timeout = leg_limits(c.prefill_timeout_s, c.connect_timeout_s)
         self.health_timeout = leg_limits(c.health_timeout_s, c.health_timeout_s)
-
-    @property
-    def control_client(self) -> Http1Client:
-        """The client of every upstream call but the legs (upstream.open_control_client)."""
-        if self._control_client is None:
-            raise RuntimeError("the proxy's control client exists only while the app is running")
-        return self._control_client
-
-    @property
-    def leg_client(self) -> Http1Client:
-        """The client of the prefill and decode legs (upstream.open_leg_client)."""
-        if self._leg_client is None:
-            raise RuntimeError("the proxy's leg client exists only while the app is running")
-        return self._leg_client
 
 
 def build_state(

@@ -7,12 +7,8 @@ as it is, without parsing it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-
-from starlette.responses import Response
-
-from stages.serve.proxy.front.responses import RelayResponse
 
 
 @dataclass(frozen=True)
@@ -36,16 +32,3 @@ class Stream:
 
 
 Answer = Whole | Stream
-
-
-def to_response(answer: Answer, headers: Mapping[str, str]) -> Response:
-    if isinstance(answer, Whole):
-        return Response(
-            answer.content, answer.status, media_type=answer.content_type, headers=headers
-        )
-    return RelayResponse(
-        answer.events,
-        on_close=answer.close,
-        media_type=answer.content_type,
-        headers=headers,
-    )

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from stages.serve.proxy.front.request_body import RequestFields, bad_request, lax_int
+from stages.serve.proxy.front.request import RequestFields, bad_request, lax_int, prompts_of
 from stages.serve.proxy.front.responses import ProxyError
 
 
@@ -35,20 +35,6 @@ class Part:
     counts_prompt: bool  # its prompt tokens enter the usage (once per prompt, not per choice)
 
 
-def prompts_of(body: dict[str, Any]) -> list[Any] | None:
-    """The prompts of a completions body with more than one, as vLLM's model reads them.
-
-    pydantic's smart union takes an exact ``list[str]`` or ``list[list[int]]`` first; any other
-    list (``["1", 2]`` included) is one prompt of token ids.
-    """
-    prompt = body.get("prompt")
-    if not isinstance(prompt, list) or len(prompt) < 2:
-        return None
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
-        return prompt
-    return None
-
-
 def split(
     body: dict[str, Any], chat: bool, fields: RequestFields, limit: int, byte_budget: int
 ) -> list[Part] | None:
@@ -59,7 +45,6 @@ def split(
     ``byte_budget`` bytes, else a 413: a small body must not become gigabytes upstream.
     """
     prompts = None if chat else prompts_of(body)
-    _check_embeds(body, prompts)
     choices = 1 if fields.beam_search else fields.n
     if prompts is None and choices == 1:
         return None
@@ -108,18 +93,3 @@ def _seed(body: dict[str, Any]) -> int | None:
         return lax_int(body.get("seed"))
     except ValueError:
         return None
-
-
-def _check_embeds(body: dict[str, Any], prompts: list[Any] | None) -> None:
-    # vLLM runs every prompt_embeds entry and every prompt as sequences of one request; the
-    # proxy does not split embeddings, so it takes them only as the request's one prompt.
-    embeds = body.get("prompt_embeds")
-    if embeds is None:
-        return
-    several = isinstance(embeds, list) and len(embeds) > 1
-    if several or prompts is not None or body.get("prompt") is not None:
-        raise bad_request(
-            "the proxy takes prompt_embeds only as the request's single prompt (one entry,"
-            " no prompt)",
-            "prompt_embeds",
-        )

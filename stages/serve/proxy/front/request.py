@@ -1,9 +1,23 @@
-"""Reading and checking a client's JSON body: a size limit, then vLLM's 400s.
+"""A client's request as the proxy reads it: the body read and checked, shaped for the two
+legs, and carried down the path as one ``RequestContext``.
 
-Checks answer what vLLM answers (400, from its pydantic request models and
-``validate_json_request``), but only for the fields the proxy itself reads; the workers check
-the rest and their 400s reach the client unchanged. vLLM's models validate in pydantic's lax
-mode, so what it coerces ("true" for a bool, 5.0 or "5" for an int) is accepted here too.
+Reading and checking: a size limit, then vLLM's 400s. Checks answer what vLLM answers (400,
+from its pydantic request models and ``validate_json_request``), but only for the fields the
+proxy itself reads; the workers check the rest and their 400s reach the client unchanged.
+vLLM's models validate in pydantic's lax mode, so what it coerces ("true" for a bool, 5.0 or
+"5" for an int) is accepted here too.
+
+Shaping for the legs: the prefill leg asks vLLM for one token with ``do_remote_decode`` so the
+NixlConnector keeps the KV blocks for a decode worker to pull; its response's
+``kv_transfer_params`` say where they are (and carry the ELDR signature). The decode leg is the
+client's own request plus those params, unchanged except that the signature is left out.
+``plan_legs`` shapes both once per (sub-)request into a ``Legs`` value that travels with the
+request: a decode retry needs the same prefill again, and the decode body only waits for the
+hand-off.
+
+The context: everything a request's path needs travels in one frozen ``RequestContext``, made
+when the body has been read and checked, so the legs take the request and not a list of its
+parts.
 """
 
 from __future__ import annotations
@@ -11,13 +25,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import orjson
 from starlette.requests import Request
 
+from stages.capture.batch_publisher import RECORD_KEY, REQUEST_TAG
 from stages.serve.proxy.front.responses import ProxyError
+from stages.serve.proxy.state import ProxyState
+from stages.serve.proxy.view.kv_routing import Prompt
+from stages.signature import wire
 
 # pydantic's lax str -> bool words (case-insensitive, not stripped).
 _TRUE_WORDS = frozenset(("1", "on", "t", "true", "y", "yes"))
@@ -40,6 +61,12 @@ class RequestFields:
     stream: bool
     n: int  # choices per prompt
     beam_search: bool  # then n is the beam width, answered by one request per prompt
+    prompts: int = 1  # a completions body may hold several
+
+    @property
+    def sequences(self) -> int:
+        """Sequences asked for: more than one, and the request is split (``batch_split``)."""
+        return self.prompts * (1 if self.beam_search else self.n)
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:
@@ -253,15 +280,18 @@ def check_request_body(body: dict[str, Any], chat: bool) -> RequestFields:
     if body.get("use_beam_search", False) is None:
         # bool, not bool | None, in both request models
         raise bad_request('"use_beam_search" must be a boolean', "use_beam_search")
+    prompts = None if chat else prompts_of(body)
     fields = RequestFields(
         stream=bool(body.get("stream", False)),
         n=_read_n(body, chat),
         beam_search=_read_bool(body, "use_beam_search"),
+        prompts=1 if prompts is None else len(prompts),
     )
     if fields.n > 1 and not fields.beam_search and _is_greedy(body.get("temperature")):
         # SamplingParams._verify_greedy_sampling; the split's sub-requests (n = 1 each) would
         # pass it, so the proxy says it.
         raise bad_request(f"n must be 1 when using greedy sampling, got {fields.n}.")
+    _check_embeds(body, prompts)
     return fields
 
 
@@ -293,3 +323,242 @@ async def _read_json_object(request: Request, limit: int) -> JsonBody:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return JsonBody(body, lax)
+
+
+def prompts_of(body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a completions body with more than one, as vLLM's model reads them.
+
+    pydantic's smart union takes an exact ``list[str]`` or ``list[list[int]]`` first; any other
+    list (``["1", 2]`` included) is one prompt of token ids.
+    """
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return None
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return prompt
+    return None
+
+
+def _check_embeds(body: dict[str, Any], prompts: list[Any] | None) -> None:
+    # vLLM runs every prompt_embeds entry and every prompt as sequences of one request; the
+    # proxy does not split embeddings, so it takes them only as the request's one prompt.
+    embeds = body.get("prompt_embeds")
+    if embeds is None:
+        return
+    several = isinstance(embeds, list) and len(embeds) > 1
+    if several or prompts is not None or body.get("prompt") is not None:
+        raise bad_request(
+            "the proxy takes prompt_embeds only as the request's single prompt (one entry,"
+            " no prompt)",
+            "prompt_embeds",
+        )
+
+# -- shaping for the legs -------------------------------------------------------------------------
+
+PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = MappingProxyType(
+    {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Legs:
+    """What the two legs of one (sub-)request send, made once."""
+
+    prefill: bytes  # the serialised prefill body
+    key: bytes  # the prompt's prefix-routing key
+    body: Mapping[str, Any]  # the client's body for this (sub-)request, read only
+    stream: bool
+    lax_json: bool  # the body holds values only the stdlib's JSON writes back as they came
+
+    def decode_payload(self, kv_transfer_params: dict[str, Any] | None,
+                       tag: str | None = None, record: bool = False) -> bytes:
+        return dump_json(decode_body(self.body, kv_transfer_params, tag, record), self.lax_json)
+
+
+def plan_legs(body: dict[str, Any], chat: bool, lax_json: bool = False) -> Legs:
+    """``body`` was checked (``stream`` is a bool); it must not change afterwards."""
+    return Legs(
+        prefill=dump_json(prefill_body(body, chat), lax_json),
+        key=prompt_key(body, chat),
+        body=MappingProxyType(body),
+        stream=bool(body.get("stream", False)),
+        lax_json=lax_json,
+    )
+
+
+def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    out = dict(body)
+    out["max_tokens"] = 1
+    out["stream"] = False
+    # One sequence: with n > 1 each extra child would pin its own KV blocks on the prefill
+    # worker for a hand-off nobody ever pulls (the response carries only the first child's).
+    out["n"] = 1
+    # vLLM rejects stream_options without stream=True, and min_tokens above max_tokens.
+    out.pop("stream_options", None)
+    if _min_tokens(out) > 1:
+        out["min_tokens"] = 1
+    if chat and "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+def _min_tokens(body: dict[str, Any]) -> int:
+    # Read as the worker will ("5" and 5.0 are 5); what it would refuse, it refuses itself.
+    try:
+        return lax_int(body.get("min_tokens", 0))
+    except ValueError:
+        return 0
+
+
+def decode_body(
+    body: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None, tag: str | None = None,
+    record: bool = False,
+) -> dict[str, Any]:
+    """``tag``: the name a decode worker that publishes its batch gives the request
+    (``batch_publisher.REQUEST_TAG``), so the proxy that sent it knows it for its own.
+    ``record`` (with a tag): the worker publishes the request's decode counts when it ends
+    (``batch_publisher.RECORD_KEY``)."""
+    out = dict(body)
+    if kv_transfer_params is None and tag is None:
+        # No hand-off (prefill ran without a KV connector): the decode worker recomputes the
+        # prompt, which is slower but correct, so do not forward a stale client value either.
+        out.pop("kv_transfer_params", None)
+        return out
+    if tag is not None:
+        # A worker that publishes its batch passes the signature on to every proxy, which
+        # weighs the experts of the requests others sent (``batch_publisher``).
+        params = dict(kv_transfer_params or {})
+        params[REQUEST_TAG] = tag
+        if record:
+            params[RECORD_KEY] = True
+    else:
+        # The NIXL hand-off goes on unchanged; the signature stays behind: this decode worker
+        # has no use for it, and it is most of the bytes (16 KiB of base64 for 48x128 experts).
+        params = {k: v for k, v in (kv_transfer_params or {}).items()
+                  if k not in wire.SIGNATURE_KEYS}
+    out["kv_transfer_params"] = params
+    return out
+
+
+def prompt_key(body: Mapping[str, Any], chat: bool) -> bytes:
+    """Bytes whose prefix identifies the prompt for prefix-affinity prefill routing."""
+    if chat:
+        parts: list[bytes] = []
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else message
+            parts.append(_key_bytes(content))
+        return b"\n".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        # One prompt of a split batch: the same key as that prompt sent on its own.
+        prompt = prompt[0]
+    return _key_bytes(prompt)
+
+
+def _key_bytes(value: object) -> bytes:
+    # Lone surrogates and big integers reach here from bodies only the stdlib's JSON reads;
+    # the key only has to be stable, not valid UTF-8.
+    if isinstance(value, str):
+        return value.encode(errors="surrogatepass")
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        return json.dumps(value).encode()
+
+# -- the context ----------------------------------------------------------------------------------
+
+class Admitted(Protocol):
+    """A request let in that holds no worker lease yet (``completions.Admission``)."""
+
+    def settle(self) -> None: ...
+
+
+# Client headers worth carrying to the workers. Not Authorization: the client's key is the
+# proxy's to check, and workers get the proxy's own key (upstream.worker_headers).
+_FORWARDED = ("traceparent", "tracestate")
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    state: ProxyState
+    path: str  # the route, the same on the workers (/v1/completions, /v1/chat/completions)
+    chat: bool
+    # What the workers see as X-Request-Id: eldr's own id, a sub-request's or a retry's (NIXL
+    # tracks hand-offs by request id, so no two legs in flight may share one), never the
+    # client's, which only the reply carries (two clients may send the same).
+    request_id: str
+    legs: Legs
+    headers: Mapping[str, str]  # for the workers
+    reply_headers: Mapping[str, str]  # for the client: the client request's own id
+    arrived: float  # time.monotonic() when the client request came in
+    # Settled as the legs start (they lease a worker before they first wait), from then on the
+    # lease counts the request.
+    admission: Admitted
+    # The prompt as the workers' KV block hashes (KV-aware routing); None: not known.
+    prompt: Prompt | None = None
+
+    @property
+    def stream(self) -> bool:
+        return self.legs.stream
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.arrived
+
+    def with_request_id(self, request_id: str) -> RequestContext:
+        return replace(
+            self,
+            request_id=request_id,
+            headers=MappingProxyType({**self.headers, "X-Request-Id": request_id}),
+        )
+
+
+def request_context(
+    request: Request,
+    request_id: str,
+    body: dict[str, Any],
+    chat: bool,
+    lax_json: bool,
+    admission: Admitted,
+    client_request_id: str | None = None,
+) -> RequestContext:
+    """The context of a request whose ``body`` was read and checked.
+
+    ``lax_json`` says the body was read by the stdlib's JSON (``parse_json``). A
+    sub-request of a batch has its own ``request_id`` and body; ``client_request_id`` is the
+    client request's id, which its answer carries.
+    """
+    state: ProxyState = request.app.state.proxy
+    # identity: bytes are relayed as they come, never decompressed and re-compressed.
+    headers = {
+        "Content-Type": "application/json",
+        "Accept-Encoding": "identity",
+        "X-Request-Id": request_id,
+    }
+    for name in _FORWARDED:
+        value = request.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    return RequestContext(
+        state=state,
+        # The route's own path, never the client's decoded one: a route pattern's "$" matches
+        # before a trailing line feed, so "/v1/completions%0A" is routed here too.
+        path=CHAT_PATH if chat else COMPLETIONS_PATH,
+        chat=chat,
+        request_id=request_id,
+        legs=plan_legs(body, chat, lax_json),
+        headers=MappingProxyType(headers),
+        reply_headers=MappingProxyType({"X-Request-Id": client_request_id or request_id}),
+        arrived=time.monotonic(),
+        admission=admission,
+        prompt=state.kv.prompt(body, chat) if state.kv is not None and state.kv_active else None,
+    )

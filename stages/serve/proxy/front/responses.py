@@ -1,4 +1,4 @@
-"""Error responses in the OpenAI shape, and the streaming response that always cleans up.
+"""Error responses in the OpenAI shape.
 
 Every error the proxy itself answers has vLLM's ``ErrorResponse`` shape,
 ``{"error": {"message", "type", "param", "code"}}``, whatever route or layer produced it:
@@ -9,17 +9,14 @@ handlers (``ProxyError``), the router's 404/405 (``http_error``) and unexpected 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from http import HTTPStatus
 
-import anyio
 import orjson
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from stages.serve.proxy.front.disconnect import unless_client_leaves
 
 log = logging.getLogger(__name__)
 
@@ -125,45 +122,3 @@ def json_response(data: object, status: int = 200) -> Response:
 # Where the app leaves the server's own ``send`` in the scope (``ProxyApp``): a relayed stream
 # writes its body there, past the middlewares' wrappers (below).
 SERVER_SEND = "eldr.server_send"
-
-
-class RelayResponse(StreamingResponse):
-    """A relayed SSE stream that runs ``on_close`` however it ends, and stops when the client
-    leaves.
-
-    Starlette's own ``__call__`` does not fit: it never closes the body iterator when the
-    client disconnects (the in-flight count and the upstream connection would leak), watches
-    for the disconnect with an anyio task group, and sends every chunk through each
-    middleware's ``send`` wrapper. Those wrappers only watch for the response's start, so the
-    start goes through them and the body goes to the server's ``send`` directly: at 1,024
-    paced streams the wrappers were about a tenth of the proxy's CPU.
-    """
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        on_close: Callable[[], Awaitable[None]],
-        media_type: str,
-        headers: Mapping[str, str],
-    ) -> None:
-        super().__init__(content, media_type=media_type, headers=headers)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send(
-                {"type": "http.response.start", "status": self.status_code,
-                 "headers": self.raw_headers}
-            )
-            await unless_client_leaves(receive, lambda: self._pump(scope.get(SERVER_SEND, send)))
-        finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(self.body_iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self._on_close()
-
-    async def _pump(self, send: Send) -> None:
-        async for block in self.body_iterator:
-            await send({"type": "http.response.body", "body": block, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -23,7 +23,7 @@ from time import perf_counter
 from typing import Any
 
 from stages.serve.proxy.front.answer import Answer, Stream, Whole
-from stages.serve.proxy.front.request_context import RequestContext
+from stages.serve.proxy.front.request import RequestContext
 from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
 from stages.serve.proxy.legs.decode_router import NO_KV, Features, KVInputs
 from stages.serve.proxy.legs.http1 import Response

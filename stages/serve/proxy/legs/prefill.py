@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 
 from stages.routing.policies import PrefillRequest
-from stages.serve.proxy.front.request_context import RequestContext
+from stages.serve.proxy.front.request import RequestContext
 from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
 from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, fetch
 from stages.serve.proxy.state import ProxyState
@@ -35,7 +35,6 @@ async def run_prefill(ctx: RequestContext) -> dict[str, Any] | None:
         worker, queued = choose_prefill(ctx, eligible)
         url = pool.urls[worker]
         lease = pool.acquire(worker)
-        ctx.admission.settle()
         status, content, content_type, failure = 0, b"", None, None
         try:
             resp = await state.leg_client.post(

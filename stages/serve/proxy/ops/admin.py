@@ -21,7 +21,7 @@ from stages.errors import EldrError
 from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
 from stages.serve.proxy.config import check_unchecked_policy
-from stages.serve.proxy.front.request_body import bad_request, read_json_body
+from stages.serve.proxy.front.request import bad_request, read_json_body
 from stages.serve.proxy.front.responses import ProxyError, json_error, json_response
 from stages.serve.proxy.ops.admin_cost import client_cost
 from stages.serve.proxy.state import ProxyState
