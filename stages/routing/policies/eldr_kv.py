@@ -5,7 +5,9 @@ prompt tokens its prefix cache lacks, at the engine's prefill time per token
 (``scorers.prefill_queue``). Decode goes to the worker where the request costs the cluster
 least over its life: the KV it must pull for the prompt tokens it lacks (``scorers.kv_pull``),
 plus, per output token, eldr-union's step-time increase for the experts it adds and the batch
-slot it takes (``scorers.load`` when its signature is unknown). Filters are eldr-union's: a
+slot it takes (``scorers.load`` when its signature is unknown), with a worker's requests
+counted by the share of the new one's steps they will still be there for
+(``scorers.residual_load``), not by how many run now. Filters are eldr-union's: a
 worker may hold at most ``max(1, load_slack x mean)`` more requests than the least loaded, and
 a full worker is skipped while another has room.
 
