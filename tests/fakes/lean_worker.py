@@ -24,6 +24,7 @@ import httptools
 import orjson
 
 from stages.serve.proxy.ops.self_check import PROBE_PROMPT
+from tests.fakes.kv_publisher import FakeKVPublisher
 from tests.fakes.worker import (
     FakeBehavior,
     _chunk,
@@ -62,7 +63,7 @@ def _cached(cache: dict[K, V], key: K, make: Callable[[], V]) -> V:
 class LeanWorker:
     """One fake worker: its answers and caches, its listening socket's connections."""
 
-    def __init__(self, behavior: FakeBehavior) -> None:
+    def __init__(self, behavior: FakeBehavior, kv: FakeKVPublisher | None = None) -> None:
         unsupported = (behavior.delay_s or behavior.fail_status is not None or behavior.record
                        or behavior.drop_after is not None or behavior.stream_error
                        or behavior.sick_after_request or behavior.self_check_reply is not None)
@@ -70,6 +71,7 @@ class LeanWorker:
             raise ValueError("the lean fake serves no failures, delays nor recording: use "
                              "tests.fakes.worker.create_fake_worker (and record=False)")
         self.behavior = behavior
+        self.kv = kv  # publishes the blocks of every prompt it runs, as vLLM's KV events
         self.server: asyncio.Server | None = None
         self.connections: set[_Connection] = set()
         self._kv: dict[str, dict[str, Any]] = {}  # prompt text -> kv_transfer_params
@@ -210,6 +212,8 @@ class _Connection(asyncio.Protocol):
             answer = _self_check_answer(b, body)
             self._send(answer.status_code, bytes(answer.body), _JSON)
             return
+        if worker.kv is not None:
+            worker.kv.ran(body, chat)
         kv = body.get("kv_transfer_params")
         if isinstance(kv, dict) and kv.get("do_remote_decode"):
             self._send(200, worker.prefill(body, text, chat), _JSON, rid)
@@ -272,20 +276,23 @@ def listening_socket(port: int, host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-async def start(socks: Sequence[socket.socket],
-                behaviors: Sequence[FakeBehavior]) -> list[LeanWorker]:
-    """A fake worker on each bound socket, with the behavior at the same index."""
-    workers = [LeanWorker(behavior) for behavior in behaviors]
+async def start(socks: Sequence[socket.socket], behaviors: Sequence[FakeBehavior],
+                kv: Sequence[FakeKVPublisher | None] = ()) -> list[LeanWorker]:
+    """A fake worker on each bound socket, with the behavior (and KV event publisher, if
+    any) at the same index."""
+    workers = [LeanWorker(behavior, kv[i] if kv else None)
+               for i, behavior in enumerate(behaviors)]
     for sock, worker in zip(socks, workers, strict=True):
         await worker.listen(sock)
     return workers
 
 
-def serve(socks: Sequence[socket.socket], behaviors: Sequence[FakeBehavior]) -> None:
+def serve(socks: Sequence[socket.socket], behaviors: Sequence[FakeBehavior],
+          kv: Sequence[FakeKVPublisher | None] = ()) -> None:
     """Serve until the process ends, on uvloop where it is installed."""
 
     async def forever() -> None:
-        await start(socks, behaviors)
+        await start(socks, behaviors, kv)
         await asyncio.Event().wait()
 
     try:

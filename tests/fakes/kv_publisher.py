@@ -1,0 +1,125 @@
+"""vLLM's KV events from a fake worker: what ``ZmqEventPublisher`` sends, for the prompts the
+fake ran.
+
+A ZMQ PUB socket sends ``(topic, seq, msgpack batch)`` (a batch is ``[ts, events, dp_rank]``,
+each event a tagged map as vLLM's ``BlockStored``), and a ROUTER socket on eldr's replay
+endpoint (``stages.routing.kv.endpoints.replay_endpoint``) answers a replay request with the
+buffered batches from the asked number, then the end marker, as vLLM's does.
+
+Each prompt the fake runs publishes one ``BlockStored`` batch with its full blocks' hashes,
+computed as the worker would (the model's tokenizer, vLLM's sha256 block hashing), even when
+the fake published them before: a worker on fresh traffic stores new blocks for every request,
+so the proxy follows one batch per request and worker. Hashes are computed once per prompt
+text (the bench repeats a few prompts), which keeps the fake's CPU per request at a msgpack
+encode and a send. Nothing is ever removed: the fake's cache never fills.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from stages.routing.kv.block_hashes import BlockHasher
+from stages.routing.kv.endpoints import replay_endpoint
+from stages.routing.kv.prompt_tokens import PromptTokenizer
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+CPU_BLOCK_SIZE = 128  # vLLM's block size on CPU workers (the bundled model's serve runs)
+_HASHES_MAX = 4096  # prompt texts whose hashes are kept; cleared when full
+
+
+class FakeKVPublisher:
+    """Publishes a fake worker's stored blocks on ``endpoint`` (``tcp://HOST:PORT``, replay on
+    PORT + 1). ``model``: the tokenizer's directory or hub id. Sends from the caller's thread;
+    replays are answered from a thread of its own."""
+
+    def __init__(self, endpoint: str, model: str, block_size: int = CPU_BLOCK_SIZE,
+                 topic: str = "kv", buffer: int = 10_000) -> None:
+        self.block_size = block_size
+        self.tokenizer = PromptTokenizer(model)
+        self.hasher = BlockHasher("sha256")
+        self._hashes: dict[tuple[bool, str], list[int]] = {}
+        self._topic = topic.encode()
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self._lock = threading.Lock()  # the buffer, between sends and the replay thread
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self._replay = self._context.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.bind(replay_endpoint(endpoint))
+        self._running = True
+        self._thread = threading.Thread(target=self._serve_replays, daemon=True,
+                                        name="fake-kv-replay")
+        self._thread.start()
+        self.published = 0
+
+    def hashes(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """The full blocks' hashes of ``body``'s prompt, as the worker computes them."""
+        key = (chat, prompt_key(body))
+        found = self._hashes.get(key)
+        if found is None:
+            ids = self.tokenizer.chat(body) if chat else self.tokenizer.completion(body)
+            found = [] if ids is None else self.hasher.hashes(ids, self.block_size)
+            if len(self._hashes) >= _HASHES_MAX:
+                self._hashes.clear()
+            self._hashes[key] = found
+        return found
+
+    def ran(self, body: dict[str, Any], chat: bool) -> None:
+        """The worker ran ``body``'s prompt: it stored the prompt's full blocks."""
+        hashes = self.hashes(body, chat)
+        if hashes:
+            self.stored(hashes)
+
+    def stored(self, hashes: list[int]) -> None:
+        event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                 "token_ids": [], "block_size": self.block_size, "lora_id": None,
+                 "medium": "GPU", "lora_name": None}
+        payload = self._encode([time.time(), [event], None])
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+        # PUB never blocks: past its high-water mark a subscriber loses messages and asks
+        # for a replay, as it would from vLLM.
+        self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self.published += 1
+
+    def _serve_replays(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        while self._running:
+            if not poller.poll(100):
+                continue
+            frames = self._replay.recv_multipart()
+            if len(frames) != 3:
+                continue  # vLLM ignores a malformed request too
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                batches = [(s, p) for s, p in self._buffer if s >= first]
+            for seq, payload in batches:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
+                                             payload))
+            self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join()
+        self._pub.close(linger=0)
+        self._replay.close(linger=0)
+        self._context.term()
+
+
+def prompt_key(body: dict[str, Any]) -> str:
+    """What of a request decides its prompt's tokens, as a hashable key."""
+    return repr((body.get("prompt"), body.get("messages"), body.get("add_special_tokens")))

@@ -1,0 +1,74 @@
+"""The bench's fake workers publish KV events the proxy's KV view reads: it learns their block
+size and the blocks of the prompts they ran, so examples/bench_proxy.py's eldr-kv router really
+tokenizes and matches (it tokenizes only once a worker told it the block size)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from stages.paths import BUNDLED_MODELS_DIR
+from stages.serve.proxy.config import KVConfig
+from stages.serve.proxy.view.kv_events import follow_kv_events
+from stages.serve.proxy.view.kv_routing import KVRouting
+from tests.fakes.kv_publisher import FakeKVPublisher
+
+TINY = str(BUNDLED_MODELS_DIR / "tiny")
+
+
+def _free_pair() -> int:
+    """A port free together with the next one (the replay socket's)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+def test_the_proxy_view_learns_block_size_and_the_prompts_blocks_from_the_fake() -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_pair()}"
+    publisher = FakeKVPublisher(endpoint, TINY, block_size=32)
+    routing = KVRouting(KVConfig(tokenizer=TINY, prefill_events=(endpoint,),
+                                  decode_events=(None,)))
+    before = {"prompt": "words of a first prompt " * 40, "max_tokens": 4}
+    after = {"prompt": "another prompt, sent once the proxy listens " * 40, "max_tokens": 4}
+    chat = {"messages": [{"role": "user", "content": "a chat question " * 40}]}
+
+    async def follow() -> None:
+        publisher.ran(before, chat=False)  # before the proxy listens: only the replay has it
+        task = asyncio.create_task(follow_kv_events(routing.sources("prefill"), routing.prefill))
+        try:
+            await _until(lambda: routing.prefill.block_size is not None)
+            publisher.ran(after, chat=False)
+            publisher.ran(chat, chat=True)
+            await _until(lambda: routing.prefill.events[0] == 3)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(follow())
+    finally:
+        publisher.close()
+    view = routing.prefill
+    assert view.block_size == 32 and view.trusted().tolist() == [True]
+    for body, is_chat in ((before, False), (after, False), (chat, True)):
+        prompt = routing.prompt(body, chat=is_chat)
+        assert prompt is not None and len(prompt.hashes) >= 4
+        # The proxy's own hashes of the prompt are the blocks the fake said it stored.
+        assert view.cached_tokens(prompt.hashes).tolist() == [32 * len(prompt.hashes)]
+    assert view.state()[0]["gaps"] == 0 and view.state()[0]["undecodable"] == 0
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the view did not get there")
