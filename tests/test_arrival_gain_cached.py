@@ -52,3 +52,28 @@ def test_the_report_shows_the_cached_columns_when_measured() -> None:
     assert lines[1].split()[-4:] == ["arrival,", "cached", "prefix", "kept"]
     assert lines[2].split() == ["8", "-20.0%", "-10.0%", "50%", "-18.0%", "90%"]
     assert "80% with a cached prefix" in lines[3]
+
+
+def test_the_gain_kept_with_a_cached_prefix_is_reported_beside_the_cold_one() -> None:
+    from stages.fit.arrival_gain import arrival_gain
+    from stages.fit.cross_fit import CrossFit
+    from stages.fit.gain import GainConfig
+    from stages.fit.pipeline import step_profiles
+    from stages.fit.token_fit import fit_token_predictor
+    from tests.test_fit_gain import IDENTITY, domain_counts
+
+    prefill, decode = domain_counts(seed=0, n=400)
+    domain = np.random.default_rng(0).integers(0, 4, 400)  # domain_counts' first draw
+    profiles = step_profiles(prefill, decode, IDENTITY)
+    # Labelled by domain after prefill and with a cached prefix, at random with nothing cached.
+    cold = np.random.default_rng(1).integers(0, 4, 400)
+    crossed = CrossFit(labels=domain, folds=5, agreement=1.0,
+                       query_labels={ARRIVAL: cold, ARRIVAL_CACHED: domain})
+    prompts = [np.arange(i % 7, i % 7 + 5) for i in range(400)]
+    token_fit = fit_token_predictor(prompts, prefill.astype(np.float64))
+    out = arrival_gain(crossed, profiles, IDENTITY.num_layers, 4,
+                       GainConfig(batch_sizes=(8,), num_resamples=200), 0, None, token_fit)
+    (row,) = out["batches"]
+    assert row["prefill_change"] < 0
+    assert row["kept_cached"] == 1.0 and abs(row["kept"]) < 0.3
+    assert out["label_agreement_cached"] == 1.0
