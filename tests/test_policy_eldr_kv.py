@@ -101,11 +101,18 @@ def test_local_prefill_needs_to_know_the_kv() -> None:
     assert _policy(local_prefill_below=512).choose_local(request, _prefill(cached=0)) is None
 
 
-def _older_worker_chosen(name: str, counts: np.ndarray | None, seed: int) -> int:
+def _older_worker_chosen(name: str, counts: np.ndarray | None, seed: int,
+                         finished_before: int = 0) -> int:
     """Two workers, one request each, equal loads: worker 0's joined a decision earlier, so
-    it leaves first. Which does a third request of the same length go to?"""
+    it leaves first. Which does a third request of the same length go to? ``finished_before``
+    requests ran on worker 0 and completed first."""
     policy = make_policy(name, RoutingContext(2, seed=seed, top_k=2), {"cost": "gpu"})
     loads = np.zeros(2, dtype=np.int64)
+    for key in range(finished_before):
+        policy.on_dispatch(0, RoutingRequest(loads=loads.copy(), eligible=np.ones(2, dtype=bool),
+                                             output_tokens=100), key)
+    for key in range(finished_before):
+        policy.on_complete(0, key)
     for worker, key in ((0, "a"), (1, "b")):
         request = RoutingRequest(loads=loads.copy(), eligible=np.ones(2, dtype=bool),
                                  counts=counts, output_tokens=100)
@@ -128,3 +135,8 @@ def test_equal_loads_the_worker_whose_requests_end_sooner_wins() -> None:
 
 def test_the_kv_only_yardstick_counts_requests_in_flight_as_the_kv_routers_do() -> None:
     assert {_older_worker_chosen("kv", None, seed) for seed in range(16)} == {0, 1}
+
+
+def test_completed_requests_no_longer_count_however_many_came_before() -> None:
+    for seed in range(4):
+        assert _older_worker_chosen("eldr-kv", None, seed, finished_before=150) == 0

@@ -96,8 +96,15 @@ class EldrKvPolicy(EldrUnionPolicy):
         self._total = np.zeros(self.num_workers)
         self._cost_for: tuple[int, int] | None = None
         self._cost: CostModel | None = None
-        # Requests in flight: key -> (decode worker, decision it joined at, output tokens).
-        self._flight: dict[Hashable, tuple[int, int, int]] = {}
+        # Requests in flight, one row each (``_row`` maps a key to its row; freed rows are
+        # reused): decode worker (-1: free row), decision it joined at, output tokens (0:
+        # unknown). Arrays, so a decision reads them in a few vector operations however many
+        # are in flight.
+        self._row: dict[Hashable, int] = {}
+        self._free = list(range(63, -1, -1))  # rows not in use, the lowest last
+        self._worker = np.full(64, -1, dtype=np.int64)
+        self._joined = np.zeros(64)
+        self._tokens = np.zeros(64)
         self._decisions = 0
 
     def _costs(self) -> CostModel:
@@ -190,22 +197,31 @@ class EldrKvPolicy(EldrUnionPolicy):
     def _beside(self, request: RoutingRequest, tokens: int) -> np.ndarray:
         """[W] requests each worker will run beside this one over its life, as far as this
         policy saw them dispatched (fractional: ``scorers.residual_load``)."""
-        flight = self._flight
-        if not flight:
-            return np.zeros(self.num_workers)
-        worker, joined, their_tokens = (np.fromiter(column, np.int64, len(flight))
-                                        for column in zip(*flight.values(), strict=True))
-        return shared_load(worker, (self._decisions - joined).astype(np.float64),
-                           their_tokens.astype(np.float64), tokens, self.num_workers)
+        live = self._worker >= 0
+        return shared_load(self._worker[live], self._decisions - self._joined[live],
+                           self._tokens[live], tokens, self.num_workers)
 
     def on_dispatch(self, worker: int, request: RoutingRequest, key: Hashable) -> None:
         super().on_dispatch(worker, request, key)
-        self._flight[key] = (worker, self._decisions, request.output_tokens)  # 0: unknown
+        if not self._free:
+            size = self._worker.size
+            self._worker = np.concatenate([self._worker, np.full(size, -1, dtype=np.int64)])
+            self._joined = np.concatenate([self._joined, np.zeros(size)])
+            self._tokens = np.concatenate([self._tokens, np.zeros(size)])
+            self._free.extend(range(2 * size - 1, size - 1, -1))
+        row = self._free.pop()
+        self._row[key] = row
+        self._worker[row] = worker
+        self._joined[row] = self._decisions
+        self._tokens[row] = request.output_tokens  # 0: unknown
         self._decisions += 1
 
     def on_complete(self, worker: int, key: Hashable) -> None:
         super().on_complete(worker, key)
-        self._flight.pop(key, None)
+        row = self._row.pop(key, None)
+        if row is not None:
+            self._worker[row] = -1
+            self._free.append(row)
 
     def _admits(self, loads: np.ndarray, eligible: np.ndarray) -> np.ndarray:
         """eldr-union's filters for a request without a signature."""
