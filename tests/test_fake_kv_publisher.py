@@ -66,6 +66,35 @@ def test_the_proxy_view_learns_block_size_and_the_prompts_blocks_from_the_fake()
     assert view.state()[0]["gaps"] == 0 and view.state()[0]["undecodable"] == 0
 
 
+def test_stand_in_hashes_keep_the_view_trusted_and_evictions_bound_what_it_holds() -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_pair()}"
+    # No tokenizer: 400 characters at 4 a token are 100 tokens, three blocks of 32.
+    publisher = FakeKVPublisher(endpoint, None, block_size=32, capacity=7)
+    routing = KVRouting(KVConfig(tokenizer=TINY, prefill_events=(endpoint,),
+                                 decode_events=(None,)))
+    bodies = [{"prompt": f"{i:04d}" + "x" * 396} for i in range(5)]
+
+    async def follow() -> None:
+        task = asyncio.create_task(follow_kv_events(routing.sources("prefill"), routing.prefill))
+        try:
+            await asyncio.sleep(0.3)  # subscribed: no replay needed
+            for body in [*bodies, bodies[-1]]:  # the last again: it holds it, stores nothing
+                publisher.ran(body, chat=False)
+            await _until(lambda: routing.prefill.events[0] == 5)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(follow())
+    finally:
+        publisher.close()
+    view = routing.prefill
+    assert publisher.published == 5
+    assert view.block_size == 32 and view.trusted().tolist() == [True]
+    assert view.index.held(0) == 7  # 15 stored, the oldest 8 removed as the fake evicted them
+
+
 async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     for _ in range(int(timeout_s / 0.02)):
         if condition():

@@ -2,20 +2,25 @@
 fake ran.
 
 A ZMQ PUB socket sends ``(topic, seq, msgpack batch)`` (a batch is ``[ts, events, dp_rank]``,
-each event a tagged map as vLLM's ``BlockStored``), and a ROUTER socket on eldr's replay
-endpoint (``stages.routing.kv.endpoints.replay_endpoint``) answers a replay request with the
-buffered batches from the asked number, then the end marker, as vLLM's does.
+each event a tagged map as vLLM's ``BlockStored`` / ``BlockRemoved``), and a ROUTER socket on
+eldr's replay endpoint (``stages.routing.kv.endpoints.replay_endpoint``) answers a replay
+request with the buffered batches from the asked number, then the end marker, as vLLM's does.
 
-Each prompt the fake runs publishes one ``BlockStored`` batch with its full blocks' hashes,
-computed as the worker would (the model's tokenizer, vLLM's sha256 block hashing), even when
-the fake published them before: a worker on fresh traffic stores new blocks for every request,
-so the proxy follows one batch per request and worker. Hashes are computed once per prompt
-text (the bench repeats a few prompts), which keeps the fake's CPU per request at a msgpack
-encode and a send. Nothing is ever removed: the fake's cache never fills.
+The fake's cache behaves as vLLM's prefix cache does, minus its LRU detail: a prompt it runs
+stores the full blocks it does not hold yet (one batch), and past ``capacity`` blocks the
+oldest are removed in the same batch. The blocks' hashes are either the real ones (``model``
+given: the model's tokenizer and vLLM's sha256 hashing, computed once per prompt text, so the
+proxy's view matches them) or stand-ins derived from the prompt text (``model`` None: about
+``len(text) / chars_per_token`` tokens' worth of blocks, never matching what the proxy
+computes). The stand-ins are for prompts that never repeat (single-turn traffic): tokenizing
+each one would cost the fake about a millisecond per 2,000 tokens, on the cores the router
+under test needs, while the proxy's view only needs the block size and a steady stream of
+valid events to stay trusted and to do its work.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -31,6 +36,8 @@ from stages.routing.kv.prompt_tokens import PromptTokenizer
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 CPU_BLOCK_SIZE = 128  # vLLM's block size on CPU workers (the bundled model's serve runs)
 _HASHES_MAX = 4096  # prompt texts whose hashes are kept; cleared when full
+_LOW_64 = (1 << 64) - 1
+_ODD = 0x9E3779B97F4A7C15  # steps the stand-in hashes of one text apart
 
 
 class FakeKVPublisher:
@@ -38,11 +45,15 @@ class FakeKVPublisher:
     PORT + 1). ``model``: the tokenizer's directory or hub id. Sends from the caller's thread;
     replays are answered from a thread of its own."""
 
-    def __init__(self, endpoint: str, model: str, block_size: int = CPU_BLOCK_SIZE,
-                 topic: str = "kv", buffer: int = 10_000) -> None:
+    def __init__(self, endpoint: str, model: str | None, block_size: int = CPU_BLOCK_SIZE,
+                 capacity: int = 4096, chars_per_token: float = 4.0, topic: str = "kv",
+                 buffer: int = 10_000) -> None:
         self.block_size = block_size
-        self.tokenizer = PromptTokenizer(model)
+        self.capacity = capacity
+        self.chars_per_token = chars_per_token
+        self.tokenizer = None if model is None else PromptTokenizer(model)
         self.hasher = BlockHasher("sha256")
+        self._held: dict[int, None] = {}  # the blocks held, oldest first
         self._hashes: dict[tuple[bool, str], list[int]] = {}
         self._topic = topic.encode()
         self._encode = msgspec.msgpack.Encoder().encode
@@ -65,6 +76,8 @@ class FakeKVPublisher:
     def hashes(self, body: dict[str, Any], chat: bool) -> list[int]:
         """The full blocks' hashes of ``body``'s prompt, as the worker computes them."""
         key = (chat, prompt_key(body))
+        if self.tokenizer is None:
+            return stand_in_hashes(key[1], self.block_size, self.chars_per_token)
         found = self._hashes.get(key)
         if found is None:
             ids = self.tokenizer.chat(body) if chat else self.tokenizer.completion(body)
@@ -75,16 +88,26 @@ class FakeKVPublisher:
         return found
 
     def ran(self, body: dict[str, Any], chat: bool) -> None:
-        """The worker ran ``body``'s prompt: it stored the prompt's full blocks."""
-        hashes = self.hashes(body, chat)
-        if hashes:
-            self.stored(hashes)
+        """The worker ran ``body``'s prompt: it stored the full blocks it lacked."""
+        held = self._held
+        new = [h for h in self.hashes(body, chat) if h not in held]
+        if not new:
+            return
+        for h in new:
+            held[h] = None
+        evicted = list(itertools.islice(held, max(0, len(held) - self.capacity)))
+        for h in evicted:
+            del held[h]
+        events = [{"type": "BlockStored", "block_hashes": new, "parent_block_hash": None,
+                   "token_ids": [], "block_size": self.block_size, "lora_id": None,
+                   "medium": "GPU", "lora_name": None}]
+        if evicted:
+            events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "GPU"})
+        self.send(events)
 
-    def stored(self, hashes: list[int]) -> None:
-        event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-                 "token_ids": [], "block_size": self.block_size, "lora_id": None,
-                 "medium": "GPU", "lora_name": None}
-        payload = self._encode([time.time(), [event], None])
+    def send(self, events: list[dict[str, Any]]) -> None:
+        """One batch of ``events``, numbered next."""
+        payload = self._encode([time.time(), events, None])
         with self._lock:
             seq = self._seq
             self._seq += 1
@@ -118,6 +141,14 @@ class FakeKVPublisher:
         self._pub.close(linger=0)
         self._replay.close(linger=0)
         self._context.term()
+
+
+def stand_in_hashes(text: str, block_size: int, chars_per_token: float) -> list[int]:
+    """Distinct 64-bit numbers, one per full block ``text`` would fill at ``chars_per_token``;
+    a text's are the same each time (within one process)."""
+    blocks = int(len(text) / chars_per_token) // block_size
+    base = hash(text) & _LOW_64
+    return [(base + i * _ODD) & _LOW_64 for i in range(blocks)]
 
 
 def prompt_key(body: dict[str, Any]) -> str:
