@@ -26,8 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from stages.serve.proxy.front.answer import Answer, Whole
-from stages.serve.proxy.front.answer_ids import for_client
+from stages.serve.proxy.front.answer import Answer, Whole, for_client
 from stages.serve.proxy.front.batch import serve_batch
 from stages.serve.proxy.front.batch_split import split
 from stages.serve.proxy.front.request import (

@@ -197,9 +197,6 @@ class WorkerPool:
         log.warning("%s worker %s ejected for %.0f s after %d failed request(s) in a row: %s",
                     self.role, self.urls[index], duration, failures, reason)
 
-    def unhealthy_indices(self) -> list[int]:
-        return [int(i) for i in np.flatnonzero(~self._healthy)]
-
     def views(self) -> list[WorkerView]:
         now = self._clock()
         return [
