@@ -27,6 +27,16 @@ others leave it: compare routers within one run, and read the CPU columns.
     python -m examples.bench_proxy --routers eldr-union --profile prof/   # where its CPU goes
     python -m examples.bench_proxy --routers eldr-union-pub eldr-union-rec --workloads plain \
         --concurrency 64                                  # what `eldr serve --record` costs
+    python -m examples.bench_proxy --routers eldr-union eldr-kv --workloads plain \
+        --prompt-tokens 2000                              # what KV-aware routing costs
+
+Prompts: by default 16 short ones (about 8 tokens), repeated. ``--prompt-tokens N``: every
+request's prompt is its own (a request number, then one of 16 texts of about N tokens of the
+bundled ``tiny``'s tokenizer): single-turn traffic, nothing cached anywhere, so eldr-kv
+tokenizes and hashes every prompt cold. For eldr-kv the fake workers publish vLLM's KV events
+(tests.fakes.kv_publisher: block size 128 as on CPU, stand-in block hashes so the fakes need no
+tokenizer) and the proxy subscribes to them (``--attach-kv-events``); every router measured
+with it runs on the same publishing fakes.
 
 ``--profile DIR`` samples each eldr router with py-spy (``pip install py-spy``) during every
 point: a flame graph per point in DIR, and the functions with the most CPU printed.
@@ -57,6 +67,7 @@ from stages.serve.cluster.ports import free_ports
 
 try:
     from tests.fakes import lean_worker
+    from tests.fakes.kv_publisher import FakeKVPublisher
     from tests.fakes.worker import FakeBehavior
 except ModuleNotFoundError as exc:
     if exc.name != "tests":
@@ -66,8 +77,9 @@ except ModuleNotFoundError as exc:
 # "-2p": the same policy with two proxy processes on the port (eldr serve --proxy-workers 2).
 # "-pub": subscribed to each decode worker's published batch (--attach-batch); "-rec": the same,
 # recording every request (--record), so the pair shows what recording adds.
-ROUTERS = ("direct", "eldr-union", "eldr-union-2p", "eldr-union-pub", "eldr-union-rec", "rr",
-           "vllm-router")
+ROUTERS = ("direct", "eldr-union", "eldr-union-2p", "eldr-union-pub", "eldr-union-rec", "eldr-kv",
+           "rr", "vllm-router")
+KV_AWARE = ("eldr-kv",)  # routers that subscribe to the workers' KV events
 WORKLOADS = ("plain", "burst", "paced")
 
 
@@ -120,7 +132,8 @@ class Point:
 # -- fake workers -------------------------------------------------------------------------
 
 def serve_fakes(ports: list[int], tokens: int, pace_s: float,
-                batch_ports: list[int] | None = None) -> None:
+                batch_ports: list[int] | None = None, kv_events: list[str] | None = None,
+                chars_per_token: float = 4.0) -> None:
     """One process, one fake vLLM server on every port (prefill or decode by the request).
     With ``batch_ports`` each is a decode worker publishing its batch there, as eldr's
     connector does (and the decode counts of requests a proxy records). The fakes answer as
@@ -134,13 +147,17 @@ def serve_fakes(ports: list[int], tokens: int, pace_s: float,
                             publisher=publisher)
 
     behaviors = [fake(batch_ports[i] if batch_ports else None) for i in range(len(ports))]
-    lean_worker.serve([lean_worker.listening_socket(port) for port in ports], behaviors)
+    # Stand-in block hashes (model None): every prompt is new, and tokenizing each would cost
+    # the fakes the router's cores.
+    kv = [FakeKVPublisher(e, None, chars_per_token=chars_per_token) for e in kv_events or []]
+    lean_worker.serve([lean_worker.listening_socket(port) for port in ports], behaviors, kv)
 
 
 # -- routers ------------------------------------------------------------------------------
 
 def start_router(name: str, port: int, prefill: list[str], decode: list[str],
-                 batches: list[str], home: Path) -> subprocess.Popen[bytes] | None:
+                 batches: list[str], kv_events: list[str],
+                 home: Path) -> subprocess.Popen[bytes] | None:
     if name == "direct":
         return None
     if name == "vllm-router":
@@ -167,6 +184,9 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
                 argv += ["--attach-batch", batches[i]]
         if name.endswith("-rec"):
             argv += ["--record", "--record-to", str(recorded(home, name))]
+        if name in KV_AWARE:
+            for endpoint in kv_events:  # prefill workers first, as --attach-* lists them
+                argv += ["--attach-kv-events", endpoint]
     log = (home / f"{name}.log").open("wb")
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "ELDR_HOME": str(home)}, start_new_session=True)
@@ -209,22 +229,40 @@ def cpu_seconds(root: int) -> float:
 # -- load generator -----------------------------------------------------------------------
 
 def generate(url: str, workload: str, concurrency: int, seconds: float, tokens: int,
-             out: mp.Queue) -> None:
+             prompts: list[str] | None, out: mp.Queue) -> None:
     """Closed-loop clients for ``seconds``; puts (requests, failed, chunks, latencies)."""
     import uvloop
 
-    out.put(uvloop.run(_generate(url, workload, concurrency, seconds, tokens)))
+    out.put(uvloop.run(_generate(url, workload, concurrency, seconds, tokens, prompts)))
 
 
 async def _generate(url: str, workload: str, concurrency: int, seconds: float,
-                    tokens: int) -> tuple[int, int, int, list[float]]:
+                    tokens: int, prompts: list[str] | None) -> tuple[int, int, int, list[float]]:
     # eldr's own upstream client: a fraction of aiohttp's CPU per request, which the router
     # under test would otherwise lose to the load generator.
     from stages.serve.proxy.legs.http1 import Http1Client, Timeouts, UpstreamError
 
     stream = workload != "plain"
-    bodies = [json.dumps({"model": "fake-model", "prompt": f"domain={d} benchmark prompt",
-                          "max_tokens": tokens, "stream": stream}).encode() for d in range(16)]
+    if prompts is None:
+        bodies = [json.dumps({"model": "fake-model", "prompt": f"domain={d} benchmark prompt",
+                              "max_tokens": tokens, "stream": stream}).encode()
+                  for d in range(16)]
+    else:
+        # A request number in front makes every prompt new (no block of it cached anywhere);
+        # the body is spliced around it, not encoded again per request.
+        mark = "\x00"
+        halves = [json.dumps({"model": "fake-model", "prompt": f"{mark} {p}",
+                              "max_tokens": tokens, "stream": stream}).encode().split(
+                                  json.dumps(mark)[1:-1].encode())
+                  for p in prompts]
+    sent = [0]
+
+    def body(i: int) -> bytes:
+        if prompts is None:
+            return bodies[i % 16]
+        sent[0] += 1
+        head, tail = halves[i % len(halves)]
+        return b"%s%d%s" % (head, sent[0], tail)
     latencies: list[float] = []
     counts = [0, 0]  # failed, chunks
     stop_at = time.monotonic() + seconds
@@ -238,7 +276,7 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
             t0 = time.perf_counter()
             r = None
             try:
-                r = await http.post(origin, path, bodies[i % 16], headers, timeouts)
+                r = await http.post(origin, path, body(i), headers, timeouts)
                 if stream:
                     tail = b""
                     async for piece in r.iter_chunks():
@@ -307,11 +345,12 @@ def _tool(name: str) -> str:
 
 
 def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workload: str,
-            concurrency: int, seconds: float, tokens: int, workers: list[int]) -> Point:
+            concurrency: int, seconds: float, tokens: int, workers: list[int],
+            prompts: list[str] | None = None) -> Point:
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
     gen = ctx.Process(target=generate, args=(url, workload, concurrency, seconds, tokens,
-                                             queue))
+                                             prompts, queue))
     cpu0, sys0 = cpu_times(proc.pid) if proc else (0.0, 0.0)
     workers0 = sum(cpu_seconds(pid) for pid in workers)
     t0 = time.monotonic()
@@ -336,19 +375,26 @@ def subscribes(router: str) -> bool:
 
 
 def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[str, int]],
-                paced: bool, publish: bool, home: Path) -> list[Point]:
-    """Every point of ``routers`` on one set of fakes started for them."""
+                paced: bool, publish: bool, home: Path,
+                prompts: tuple[list[str] | None, float]) -> list[Point]:
+    """Every point of ``routers`` on one set of fakes started for them. ``prompts``: the
+    prompt texts (None: the short default ones) and their characters per token."""
     ctx = mp.get_context("spawn")
     ports = free_ports(args.prefill + args.decode + 1)
     batch_ports = free_ports(args.decode) if publish else None
     prefill = [f"http://127.0.0.1:{p}" for p in ports[:args.prefill]]
     decode = [f"http://127.0.0.1:{p}" for p in ports[args.prefill:-1]]
     batches = [f"tcp://127.0.0.1:{p}" for p in batch_ports or []]
+    kv_events = ([f"tcp://127.0.0.1:{p}" for p in kv_event_ports(len(ports) - 1, ports)]
+                 if any(r in KV_AWARE for r in routers) else [])
+    texts, chars_per_token = prompts
     fakes = [ctx.Process(target=serve_fakes, daemon=True,
-                         args=(ports[:args.prefill], args.tokens, 0.0)),
+                         args=(ports[:args.prefill], args.tokens, 0.0, None,
+                               kv_events[:args.prefill], chars_per_token)),
              ctx.Process(target=serve_fakes, daemon=True,
                          args=(ports[args.prefill:-1], args.tokens,
-                               args.pace_ms / 1000 if paced else 0.0, batch_ports))]
+                               args.pace_ms / 1000 if paced else 0.0, batch_ports,
+                               kv_events[args.prefill:], chars_per_token))]
     points: list[Point] = []
     for f in fakes:
         f.start()
@@ -358,7 +404,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
             wait_healthy(url, 60, lambda: None, interval_s=0.1)
         for router in routers:
             port = ports[-1]
-            proc = start_router(router, port, prefill, decode, batches, home)
+            proc = start_router(router, port, prefill, decode, batches, kv_events, home)
             url = decode[0] if proc is None else f"http://127.0.0.1:{port}"
             try:
                 if proc is not None:
@@ -367,12 +413,14 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     name = f"{router}-{workload}-{concurrency}"
                     spy = start_profile(proc, router, args.profile, name, args.seconds)
                     point = measure(router, proc, url + "/v1/completions", workload,
-                                    concurrency, args.seconds, args.tokens, fake_pids)
+                                    concurrency, args.seconds, args.tokens, fake_pids, texts)
                     points.append(point)
                     print(_row(point), flush=True)
                     if spy is not None:
                         spy.wait()
                         print(top_functions(args.profile / f"{name}.txt"), flush=True)
+                if router in KV_AWARE:
+                    print(kv_state(url, home / f"{router}-kv-state.json"), flush=True)
             finally:
                 stop(proc)
             if router.endswith("-rec"):
@@ -386,6 +434,64 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
     return points
 
 
+def kv_event_ports(count: int, avoid: list[int]) -> list[int]:
+    """``count`` free ports each free with the next one too (its replay socket's)."""
+    candidates = free_ports(4 * count + 4, avoid)
+    free = set(candidates)
+    chosen: list[int] = []
+    for port in sorted(candidates):
+        if len(chosen) < count and port + 1 in free and (not chosen or port > chosen[-1] + 1):
+            chosen.append(port)
+    if len(chosen) < count:
+        raise SystemExit(f"only {len(chosen)} of {count} pairs of adjacent free ports")
+    return chosen
+
+
+def kv_state(url: str, out: Path) -> str:
+    """What a KV-aware router's view held after its points (its /admin/state, written to
+    ``out``) and the prompt tokens it routed by KV (its /metrics): proof it tokenized."""
+    from urllib.request import urlopen
+
+    with urlopen(url + "/admin/state", timeout=10) as r:
+        state = json.loads(r.read())
+    out.write_text(json.dumps(state, indent=1))
+    with urlopen(url + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    lines = [line for line in metrics.splitlines()
+             if line.startswith(("eldr_kv_index_trusted", "eldr_kv_blocks",
+                                 "eldr_kv_event_batches_total", "eldr_kv_event_gaps_total",
+                                 "eldr_kv_event_lost_total", "eldr_kv_prompt_tokens_total",
+                                 "eldr_kv_cached_tokens_total"))]
+    return "\n".join(["  KV view (/metrics):", *(f"    {line}" for line in lines),
+                      f"  /admin/state written to {out}"])
+
+
+def long_prompts(tokens: int) -> tuple[list[str] | None, float]:
+    """16 texts of about ``tokens`` tokens of the bundled model's tokenizer (None: the short
+    default prompts), and their characters per token."""
+    if tokens <= 0:
+        return None, 4.0
+    from transformers import AutoTokenizer
+
+    from stages.paths import BUNDLED_MODELS_DIR
+
+    tok = AutoTokenizer.from_pretrained(BUNDLED_MODELS_DIR / "tiny")
+    words = ("the router reads each worker's cache of blocks and sends the request where its"
+             " prompt is already held, or where the queue is short; experts decide the decode"
+             " worker, the prefix decides the prefill worker.").split()
+    texts = []
+    for d in range(16):
+        text, i = f"domain={d}:", d
+        while len(tok.encode(text, add_special_tokens=False)) < tokens:
+            text += " " + " ".join(words[(i + k) % len(words)] for k in range(40))
+            i += 7
+        ids = tok.encode(text, add_special_tokens=False)[:tokens]
+        texts.append(tok.decode(ids))
+    chars = sum(len(t) for t in texts) / sum(
+        len(tok.encode(t, add_special_tokens=False)) for t in texts)
+    return texts, chars
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
@@ -394,6 +500,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=15.0, help="per point")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--pace-ms", type=float, default=25.0)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="every request's own prompt of about this many tokens (0: 16 short"
+                        " prompts, repeated)")
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench_proxy.json"))
@@ -409,6 +518,7 @@ def main() -> int:
 
     home = Path(tempfile.mkdtemp(prefix="eldr-bench-proxy-"))
     points: list[Point] = []
+    prompts = long_prompts(args.prompt_tokens)
     plan = [("plain", 1)] + [(w, c) for w in args.workloads for c in args.concurrency]
     # Paced and unpaced streams need differently behaving fakes, and only the routers that
     # subscribe to the decode workers' batches get fakes that publish them: publishing a
@@ -419,7 +529,7 @@ def main() -> int:
         for publish in sorted({subscribes(r) for r in args.routers}):
             routers = [r for r in args.routers if subscribes(r) == publish]
             work = [(w, c) for w, c in plan if (w == "paced") == paced]
-            points += measure_set(args, routers, work, paced, publish, home)
+            points += measure_set(args, routers, work, paced, publish, home, prompts)
     args.out.write_text(json.dumps([{**asdict(p), "rps": p.rps, "chunks_per_s": p.chunks_per_s,
                                      "cores": p.cores,
                                      "cpu_ms_per_request": p.cpu_ms_per_request,
