@@ -118,6 +118,9 @@ def test_a_router_benches_conversations_with_their_real_answers(
     assert doc["completed"] == 18 and doc["failed"] == 0
     assert sorted(doc["turns"]) == [1] * 6 + [2] * 6 + [3] * 6
     assert doc["median_ttft_later_ms"] > 0 and doc["median_ttft_turn1_ms"] > 0
+    # Two rounds: each latency's p50 has a round-to-round spread to be read against.
+    assert doc["ttft_later_round_spread_ms"] >= 0 and doc["tpot_round_spread_ms"] >= 0
+    assert "TPOT p50 spread" in result.output
     # Each run's counter deltas, summed over the runs: 18 requests.
     assert doc["prefill_hit_share"] == pytest.approx(0.6)
     assert doc["prefill_hit_share_by_worker"] == [pytest.approx(0.6)]

@@ -65,6 +65,7 @@ CONVERSATION_METRICS: tuple[Metric, ...] = (
     Metric("ttft_later_round_spread_ms", "t>=2 p50 spread", "ms"),
     Metric("median_tpot_ms", "TPOT p50", "ms"),
     Metric("p99_tpot_ms", "TPOT p99", "ms"),
+    Metric("tpot_round_spread_ms", "TPOT p50 spread", "ms"),
     # Prefill workers' own vllm:prefix_cache_hits / _queries over the runs (simulated: their
     # modelled caches), the ideal of the workload (every turn on the worker holding its
     # history; a PD prefill worker holds prompts, not answers), and the share of that ideal.

@@ -26,10 +26,10 @@ def ttft_by_turn(ttft_s: np.ndarray, turn: np.ndarray, success: np.ndarray) -> d
     }
 
 
-def round_spread_ms(per_round_later_ttft_s: Sequence[np.ndarray]) -> float:
-    """Max minus min over rounds of the turns->=2 TTFT p50 (ms): the run-to-run noise a
-    difference between routers must beat; NaN with fewer than two rounds."""
-    medians = [_ms(np.asarray(v), 50) for v in per_round_later_ttft_s if len(v)]
+def round_spread_ms(per_round_s: Sequence[np.ndarray]) -> float:
+    """Max minus min over rounds of a latency's p50 (ms; e.g. the turns->=2 TTFT): the
+    run-to-run noise a difference between routers must beat; NaN with fewer than two rounds."""
+    medians = [_ms(np.asarray(v), 50) for v in per_round_s if len(v)]
     return max(medians) - min(medians) if len(medians) > 1 else float("nan")
 
 

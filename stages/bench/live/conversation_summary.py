@@ -28,6 +28,9 @@ def target_metrics(runs: Sequence[RunOutcome], block_size: int) -> dict[str, obj
     metrics["ttft_later_round_spread_ms"] = round_spread_ms([
         np.array([t.record.ttft_s for t in run.turns if t.turn >= 2 and t.record.success])
         for run in runs])
+    # TPOT is compared against its own rounds' noise as TTFT is (the same max - min of p50s).
+    metrics["tpot_round_spread_ms"] = round_spread_ms([
+        RequestTable.from_records([t.record for t in run.turns]).tpot_s() for run in runs])
     prefill = total(c for run in runs for c in run.prefill.values())
     decode = total(c for run in runs for c in run.decode.values())
     workers = sorted({url for run in runs for url in run.prefill})

@@ -399,7 +399,8 @@ def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
     duration = float(np.nanmax(outcome.done) - np.nanmin(outcome.arrival))
     metrics: dict[str, object] = dict(summarize(table, duration))
     metrics |= ttft_by_turn(table.ttft_s, turns.turn, table.success)
-    metrics["ttft_later_round_spread_ms"] = float("nan")  # one run: no rounds to spread over
+    # One run: no rounds to spread over.
+    metrics["ttft_later_round_spread_ms"] = metrics["tpot_round_spread_ms"] = float("nan")
     total_prompt = float(prompt.sum())
     # What the prefill workers' counters see: the turns they prefilled (not the ones a decode
     # worker prefilled itself, ``choose_local``).
