@@ -163,6 +163,8 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
     if name == "vllm-router":
         argv = [_tool("vllm-router"), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(port), "--log-level", "warning", "--prefill-policy", "round_robin",
+                # Its metrics port defaults to 29000, which another router on the host may hold.
+                "--prometheus-port", str(free_ports(1, [port])[0]),
                 "--decode-policy", "round_robin"]
         for url in prefill:
             argv += ["--prefill", url]
@@ -476,6 +478,7 @@ def long_prompts(tokens: int) -> tuple[list[str] | None, float]:
     from stages.paths import BUNDLED_MODELS_DIR
 
     tok = AutoTokenizer.from_pretrained(BUNDLED_MODELS_DIR / "tiny")
+    tok.model_max_length = 1 << 62  # only counting: no warning for a prompt past the model's
     words = ("the router reads each worker's cache of blocks and sends the request where its"
              " prompt is already held, or where the queue is short; experts decide the decode"
              " worker, the prefix decides the prefill worker.").split()
