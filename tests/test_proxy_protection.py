@@ -204,6 +204,33 @@ def test_a_split_request_reserves_a_place_for_each_of_its_sequences() -> None:
     assert len(admit(unbounded).reserve(1024)) == 1024 and unbounded.cluster_load() == 1024
 
 
+def test_a_split_requests_sequences_count_once_while_on_their_workers() -> None:
+    """Each sequence of a split request stops counting as let in once its prefill leases a
+    worker: while both prompts prefill, the cluster holds two requests, not four."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    behaviors = [FakeBehavior("p0", delay_s=1.0), FakeBehavior("d0")]
+    workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
+    config = fast_config([workers[0].url], [workers[1].url], policy="jsq", max_queued=8)
+    app = create_app(config)
+    state = app.state.proxy
+    try:
+        with BackgroundServer(app) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=20) as client, \
+                ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client.post, "/v1/completions",
+                                 json={"prompt": ["a", "b"], "max_tokens": 2})
+            deadline = time.monotonic() + 5
+            while state.prefill.own_loads().sum() < 2:  # both prompts on the prefill worker
+                assert time.monotonic() < deadline, "the prefills never started"
+                time.sleep(0.01)
+            assert state.cluster_load() == 2 and state.admitting == 0
+            assert answer.result().status_code == 200
+    finally:
+        for w in workers:
+            w.stop()
+
+
 def test_the_proxy_refuses_a_request_whose_sequences_would_pass_the_bound() -> None:
     behaviors = [FakeBehavior("p0"), FakeBehavior("d0"), FakeBehavior("d1")]
     workers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]

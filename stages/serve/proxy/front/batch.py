@@ -35,11 +35,16 @@ async def serve_batch(
     async def decode(k: int, kv: dict[str, Any] | None) -> None:
         answers[k] = await run_decode(subs[k], hand_off(subs[k], kv))
 
+    async def prefill(k: int) -> dict[str, Any] | None:
+        # The sequence counts through its lease from here (the leg takes one before it waits).
+        subs[k].admission.settle()
+        return await run_prefill(subs[k])
+
     async def whole(k: int) -> None:
-        await decode(k, await run_prefill(subs[k]))
+        await decode(k, await prefill(k))
 
     async def prompt(group: TaskGroup, first: int, others: list[int]) -> None:
-        kv = await run_prefill(subs[first])
+        kv = await prefill(first)
         group.start_soon(guarded, group, decode, first, kv)
         for k in others:
             group.start_soon(guarded, group, whole, k)
