@@ -38,7 +38,7 @@ from stages.serve.proxy.front.request import (
     request_context,
 )
 from stages.serve.proxy.front.responses import SERVER_SEND, ProxyError, UpstreamClientError
-from stages.serve.proxy.legs.decode import hand_off, run_decode, run_local
+from stages.serve.proxy.legs.decode import choose_at_arrival, hand_off, run_decode, run_local
 from stages.serve.proxy.legs.http1 import PoolExhausted
 from stages.serve.proxy.legs.prefill import run_prefill
 from stages.serve.proxy.state import ProxyState
@@ -64,8 +64,14 @@ async def serve_one(ctx: RequestContext) -> Answer:
         answer, ctx = await run_local(ctx)
         if answer is not None:
             return answer
-    kv = await run_prefill(ctx)
-    return await run_decode(ctx, hand_off(ctx, kv))
+    chosen = choose_at_arrival(ctx)
+    try:
+        kv = await run_prefill(ctx)
+    except BaseException:
+        if chosen is not None:  # no decode will run: the policy forgets the request
+            chosen.on_complete(chosen.worker)
+        raise
+    return await run_decode(ctx, hand_off(ctx, kv), chosen)
 
 
 async def _handle(request: Request, chat: bool) -> Response:

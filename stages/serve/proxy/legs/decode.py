@@ -25,7 +25,7 @@ from typing import Any
 from stages.serve.proxy.front.answer import Answer, Stream, Whole
 from stages.serve.proxy.front.request import RequestContext
 from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
-from stages.serve.proxy.legs.decode_router import NO_KV, Features, KVInputs
+from stages.serve.proxy.legs.decode_router import NO_KV, Decision, Features, KVInputs
 from stages.serve.proxy.legs.http1 import Response
 from stages.serve.proxy.legs.prefill import prefill_request, run_prefill
 from stages.serve.proxy.legs.sse import (
@@ -99,6 +99,28 @@ async def run_local(ctx: RequestContext) -> tuple[Answer | None, RequestContext]
     return None, ctx
 
 
+def choose_at_arrival(ctx: RequestContext) -> Decision | None:
+    """``decode_choice = "arrival"``: the decode worker chosen before the prefill, on the
+    prompt's signature at arrival, what each worker holds of it and its load; the policy weighs
+    the request on it from now on. None: the policy chooses after the prefill (its default), or
+    the prompt is not known as tokens."""
+    state, prompt = ctx.state, ctx.prompt
+    router = state.router
+    if not router.policy.decodes_at_arrival or prompt is None:
+        return None
+    eligible = state.decode.eligible()
+    if not eligible.any():
+        return None
+    t0 = perf_counter()
+    experts = state.block_experts.index if state.block_experts is not None else None
+    features = router.arrival_features(prompt.ids, prompt.hashes, prompt.block_size, experts)
+    if features.missing:
+        state.metrics.missing_signature.inc()
+    decision = router.choose(features, state.decode.loads(), eligible, kv_inputs(ctx))
+    state.metrics.decision_seconds.observe(perf_counter() - t0)
+    return decision
+
+
 def kv_inputs(ctx: RequestContext) -> KVInputs:
     """What the decode workers hold of the prompt, for KV-aware policies."""
     prompt, kv = ctx.prompt, ctx.state.kv
@@ -116,8 +138,10 @@ class Failure:
     delivered: bool  # the worker got the request, so the KV hand-off may be spent
 
 
-async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
-    """Decode on the policy's worker, retrying elsewhere until something reached the client."""
+async def run_decode(ctx: RequestContext, handoff: Handoff,
+                     chosen: Decision | None = None) -> Answer:
+    """Decode on the policy's worker (``chosen`` at arrival, else chosen now), retrying
+    elsewhere until something reached the client."""
     state = ctx.state
     pool, router, metrics = state.decode, state.router, state.metrics
     # The name the request goes by on a decode worker that publishes its batch (None: no
@@ -138,7 +162,13 @@ async def run_decode(ctx: RequestContext, handoff: Handoff) -> Answer:
                 break
             t0 = perf_counter()
             kv = kv_inputs(ctx)
-            worker, on_complete = router.choose(handoff.features, pool.loads(), eligible, kv)
+            if chosen is not None and eligible[chosen.worker]:
+                worker, on_complete = chosen
+            else:
+                if chosen is not None:  # its worker left while the prefill ran
+                    chosen.on_complete(chosen.worker)
+                worker, on_complete = router.choose(handoff.features, pool.loads(), eligible, kv)
+            chosen = None
             if kv.cached_tokens is not None and state.kv is not None and ctx.prompt is not None:
                 state.kv.decode.sent(worker, ctx.prompt.hashes)  # it pulls and stores what it lacks
                 metrics.kv_prompt_tokens.labels("decode").inc(kv.prompt_tokens)

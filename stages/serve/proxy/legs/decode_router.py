@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
@@ -17,8 +17,10 @@ import numpy as np
 
 from stages.errors import EldrError
 from stages.fit.artifact import check_cluster_count
+from stages.routing.arrival_signature import arrival_signature
 from stages.routing.context import RoutingContext
 from stages.routing.inputs import routing_inputs, signature_counts
+from stages.routing.kv.block_experts import BlockExperts
 from stages.routing.policies import (
     DecodePolicy,
     PrefillRequest,
@@ -205,6 +207,27 @@ class DecodeRouter:
         if vector is not None and self.refitter is not None:
             self.refitter.observe(vector, time.monotonic())
         return Features(vector, missing=False, counts=inputs.counts if policy.uses_counts else None)
+
+    def arrival_features(self, ids: Sequence[int], hashes: Sequence[int], block_size: int,
+                         experts: BlockExperts | None) -> Features:
+        """``features`` of the prompt's signature at arrival (``routing.arrival_signature``:
+        its cached blocks' counts as the expert events told them, the artifact's token
+        predictor for the rest) instead of the prefill's."""
+        policy = self.policy
+        wants_vector = policy.uses_signature and self.artifact is not None
+        if not (wants_vector or policy.uses_counts) or not ids:
+            return NO_FEATURES
+        predictor = getattr(self.artifact, "token_predictor", None)
+        if experts is None and predictor is None:
+            return Features(None, missing=True)
+        signature = arrival_signature(ids, hashes, block_size, experts or BlockExperts(),
+                                      predictor)
+        inputs = routing_inputs(signature.counts,
+                                self.artifact.transform.apply if wants_vector else None)
+        if inputs.counts is None:
+            return Features(None, missing=True)
+        return Features(inputs.features, missing=False,
+                        counts=inputs.counts if policy.uses_counts else None)
 
     def choose(self, features: Features, loads: np.ndarray, eligible: np.ndarray,
                kv: KVInputs = NO_KV) -> Decision:

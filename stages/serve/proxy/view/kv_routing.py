@@ -3,6 +3,7 @@ and a request's prompt as the block hashes those workers compute for it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,6 +18,7 @@ class Prompt(NamedTuple):
     tokens: int  # the prompt's length in tokens
     hashes: list[int]  # its full blocks' hashes, as the workers' KV events carry them
     block_size: int
+    ids: Sequence[int] = ()  # the token ids (the signature at arrival predicts from them)
 
     @property
     def reusable(self) -> list[int]:
@@ -52,7 +54,7 @@ class KVRouting:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             return None
-        return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size)
+        return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size, ids)
 
     def state(self) -> dict[str, Any]:
         return {"prefill": self.prefill.state(), "decode": self.decode.state(),

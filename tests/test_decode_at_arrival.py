@@ -1,0 +1,86 @@
+"""decode_choice "arrival" in the proxy: the decode worker is chosen before the prefill runs, on
+the prompt's signature at arrival (its cached blocks' expert counts), and a request whose
+prefill fails leaves nothing behind in the policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
+from stages.routing.kv.block_hashes import BlockHasher
+from stages.serve.proxy.legs.decode_router import NO_KV
+from tests.fakes.worker import SIGNATURE_SHAPE
+from tests.test_kv_view import batch, stored
+from tests.test_kv_view import kv_proxy as kv_proxy  # a fixture, used by name
+from tests.test_proxy import wait_until
+
+PROMPT = "The committee reviewed the annual report on water quality. " * 30
+
+
+def _arrival(client: Any) -> None:
+    assert client.post("/admin/policy", json={
+        "policy": "eldr-kv", "config": {"decode_choice": "arrival"}}).is_success
+
+
+def _record_choices(state: Any, behaviors: list) -> list[tuple[int, Any, list]]:
+    """Each choice the router makes: prefill requests received by then, the features, and the
+    completions its decision heard."""
+    calls: list[tuple[int, Any, list]] = []
+    choose = state.router.choose
+
+    def recording(features, loads, eligible, kv=NO_KV):  # type: ignore[no-untyped-def]
+        decision = choose(features, loads, eligible, kv)
+        done: list[int] = []
+        calls.append((sum(len(b.received) for b in behaviors[:2]), features, done))
+
+        def on_complete(worker: int) -> None:
+            done.append(worker)
+            decision.on_complete(worker)
+
+        return decision._replace(on_complete=on_complete)
+
+    state.router.choose = recording
+    return calls
+
+
+def test_the_decode_worker_is_chosen_before_the_prefill_on_the_cached_prefix(kv_proxy) -> None:
+    state, behaviors, client = kv_proxy
+    _arrival(client)
+    ids = state.kv.tokenizer.completion({"prompt": PROMPT})
+    hashes = BlockHasher().hashes(ids, 32)
+    state.kv.prefill.apply(0, 0, batch(stored(hashes, block_size=32)))  # the block size
+    # Every cached block routed all its tokens to expert 3 of every layer.
+    block = np.zeros(SIGNATURE_SHAPE, dtype=np.int32)
+    block[:, 3] = 32
+    index = BlockExperts()
+    for h in hashes:
+        index.stored(h, block)
+    state.block_experts = ExpertEventsView(2, index)
+    calls = _record_choices(state, behaviors)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert len(calls) == 1  # one choice, not a second one after the prefill
+    prefills_before, features, done = calls[0]
+    assert prefills_before == 0
+    # No predictor: the cached prefix's routing per token, carried over the whole prompt.
+    assert features.counts is not None and not features.missing
+    assert int(np.argmax(features.counts.sum(axis=0))) == 3
+    assert sum(len(b.received) for b in behaviors[:2]) == 1  # the prefill still ran remotely
+    wait_until(lambda: len(done) == 1)
+
+
+def test_a_prefill_that_fails_releases_the_decode_chosen_at_arrival(kv_proxy) -> None:
+    state, behaviors, client = kv_proxy
+    _arrival(client)
+    ids = state.kv.tokenizer.completion({"prompt": PROMPT})
+    state.kv.prefill.apply(0, 0, batch(stored(BlockHasher().hashes(ids, 32)[:1],
+                                              block_size=32)))
+    for b in behaviors[:2]:
+        b.fail_status = 400  # a client error: not retried elsewhere
+    calls = _record_choices(state, behaviors)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 400
+    assert len(calls) == 1 and len(calls[0][2]) == 1  # the policy heard it end
+    assert state.decode.loads().sum() == 0
