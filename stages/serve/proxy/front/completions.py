@@ -64,7 +64,7 @@ async def serve_one(ctx: RequestContext) -> Answer:
         answer, ctx = await run_local(ctx)
         if answer is not None:
             return answer
-    chosen = choose_at_arrival(ctx)
+    chosen = choose_at_arrival(ctx) if ctx.prompt is not None else None
     try:
         kv = await run_prefill(ctx)
     except BaseException:
