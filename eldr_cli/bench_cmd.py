@@ -45,12 +45,17 @@ def bench(
     url: Annotated[str, typer.Option(help="The eldr proxy.")] = paths.DEFAULT_PROXY_URL,
     policies: Annotated[str | None, typer.Option(
         help="Policies of the eldr proxy to compare, comma separated. Default: every policy,"
-        " or none when --router is given.", show_default=False)] = None,
+        " or none when --router or --variant is given.", show_default=False)] = None,
     router: Annotated[list[str] | None, typer.Option(
         help="Also bench this OpenAI endpoint as one router, NAME=URL (repeatable; driven as"
         " it is, no admin calls, taking its turn in every round), e.g."
         " vllm-router=http://HOST:PORT.",
         show_default=False)] = None,
+    variant: Annotated[list[str] | None, typer.Option(
+        help="--workload: also bench a policy of the eldr proxy with its own options, as a row"
+        " of its own, LABEL=POLICY:JSON (repeatable), e.g. 'arrival=eldr-kv:{\"decode_choice\":"
+        " \"arrival\"}'. The other rows of that policy run with its defaults for the options"
+        " a variant sets (under --policy-config's).", show_default=False)] = None,
     workload: Annotated[str | None, typer.Option(
         help="Traffic with history: 'conversations' (the bundled generator: a shared system"
         " prompt + the history with the server's real answers + a new message per turn) or"
@@ -179,10 +184,13 @@ def bench(
     result_dir = result_dir or paths.default_result_dir()
     prompts_path = prompts or paths.EVALUATION_PROMPTS
     options = policy_config(policy_options)
-    default_policies = "" if router else ALL_POLICIES
+    default_policies = "" if router or variant else ALL_POLICIES
     names = tuple(p.strip() for p in (policies or default_policies).split(",") if p.strip())
     if workload is None and workload_file is not None:
         raise EldrError(f"a workload FILE ({workload_file}) goes with --workload sharegpt")
+    if variant and (workload is None or simulate):
+        raise EldrError("--variant is a row of the live conversation bench: add --workload"
+                        " (not with --simulate)")
     if router and (simulate or engine_cost):
         raise EldrError("--router benches a live endpoint: not with --simulate or --engine-cost")
     if workload is not None:
@@ -196,9 +204,9 @@ def bench(
                               block_size, cache_blocks, max_model_len, output_tokens, seed,
                               result_dir, options)
             return
-        _conversation_bench(choice, url, names, router or [], tokenizer, max_model_len,
-                            block_size, prefill_urls, decode_urls, max_concurrency, max_tokens,
-                            rounds, seed, result_dir, options)
+        _conversation_bench(choice, url, names, router or [], variant or [], tokenizer,
+                            max_model_len, block_size, prefill_urls, decode_urls,
+                            max_concurrency, max_tokens, rounds, seed, result_dir, options)
         return
     _check_modes(simulate, bool(replay), engine_cost, another_pass,
                  proxies != 1 or publish_delay_ms != 0)
@@ -253,7 +261,7 @@ def _workload_choice(workload: str, file: Path | None, spec: ConversationSpec,
 
 
 def _conversation_bench(choice: WorkloadChoice, url: str, names: tuple[str, ...],
-                        routers: list[str],
+                        routers: list[str], variants: list[str],
                         tokenizer_dir: Path | None, max_model_len: int | None,
                         block_size: int | None, prefill_urls: str | None,
                         decode_urls: str | None, max_concurrency: int | None, max_tokens: int,
@@ -261,11 +269,11 @@ def _conversation_bench(choice: WorkloadChoice, url: str, names: tuple[str, ...]
     from stages.bench.live.conversation_bench import conversation_source, run_conversation_bench
     from stages.bench.live.conversation_run import ConversationBenchConfig
     from stages.bench.live.live_run import artifact_num_layers
-    from stages.bench.live.targets import bench_targets, parse_urls
+    from stages.bench.live.targets import bench_targets, parse_urls, parse_variant
     from stages.bench.workloads.chat_tokens import HfChatTokenizer
     from stages.bench.workloads.conversations import check_fits
 
-    targets = bench_targets(url, names, routers)
+    targets = bench_targets(url, names, routers, [parse_variant(v) for v in variants], options)
     tok = HfChatTokenizer(tokenizer_dir or paths.BUNDLED_MODELS_DIR / "tiny", max_model_len)
     spec = choice.spec
     if choice.kind == "conversations":
@@ -274,7 +282,7 @@ def _conversation_bench(choice: WorkloadChoice, url: str, names: tuple[str, ...]
         targets=targets, source=conversation_source(choice, tok, seed),
         tokenizer=tok, turns=spec.turns, max_concurrency=max_concurrency or 3,
         think_time_s=spec.think_time_s, max_tokens=max_tokens, rounds=rounds, seed=seed,
-        num_layers=artifact_num_layers() if names else None,
+        num_layers=artifact_num_layers() if names or variants else None,
         policy_config=options,
     )
     describe = (f"{choice.kind}: {spec.conversations} conversations x {spec.turns} turns per"

@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 from eldr_cli.app import app
 from stages.bench.live.cache_counters import block_size_of, cache_counters
-from stages.bench.live.targets import bench_targets, parse_router
+from stages.bench.live.targets import bench_targets, parse_router, parse_variant
 from stages.errors import EldrError
+from stages.routing.policy_config import PolicyConfig
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 
 runner = CliRunner()
@@ -223,3 +224,64 @@ def test_single_turn_bench_drives_a_router_as_it_is(
     assert doc["completed"] == 4 and doc["failed"] == 0
     assert doc["routers"] == {"fake": server.url} and doc["policy_order"] == ["fake", "fake"]
     assert "\nfake " in result.output
+
+
+def test_a_variant_is_a_row_of_its_own_with_exactly_its_options() -> None:
+    """Two configurations of one policy in one run: every row of that policy sends the
+    policy's defaults for what any variant of it sets (the proxy keeps a policy's options
+    across switches), under --policy-config's, under the variant's own."""
+    config = PolicyConfig.from_mapping({"eldr-kv": {"load_slack": 2.0}})
+    variants = [parse_variant('arrival=eldr-kv:{"decode_choice": "arrival"}'),
+                parse_variant('local=eldr-kv:{"local_prefill_below": 256}')]
+    targets = bench_targets("http://p/", ["eldr-kv", "jsq"], ["vr=http://h:1"], variants, config)
+    rows = {t.name: (t.url, t.policy, None if t.options is None else dict(t.options))
+            for t in targets}
+    after_prefill = {"decode_choice": "after-prefill", "local_prefill_below": 0,
+                     "load_slack": 2.0}
+    assert rows == {
+        "eldr-kv": ("http://p", "eldr-kv", after_prefill),
+        "jsq": ("http://p", "jsq", None),  # no variant of it: --policy-config's, as before
+        "arrival": ("http://p", "eldr-kv", {**after_prefill, "decode_choice": "arrival"}),
+        "local": ("http://p", "eldr-kv", {**after_prefill, "local_prefill_below": 256}),
+        "vr": ("http://h:1", None, None),
+    }
+    with pytest.raises(EldrError, match="named twice"):
+        bench_targets("http://p", ["eldr-kv"], [], [parse_variant("eldr-kv=eldr-kv:{}")])
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("arrival", "LABEL=POLICY:JSON"),
+    ("arrival=eldr-kv", "LABEL=POLICY:JSON"),
+    ("arrival=nope:{}", "unknown policy 'nope'"),
+    ("arrival=eldr-kv:{decode", "not JSON"),
+    ("arrival=eldr-kv:[1]", "must be a JSON object"),
+    ('arrival=eldr-kv:{"decode_choice": "never"}', "decode_choice must be one of"),
+])
+def test_a_bad_variant_is_refused_plainly(text: str, message: str) -> None:
+    with pytest.raises(EldrError, match=message):
+        parse_variant(text)
+
+
+def test_the_cli_benches_variants_on_the_conversation_workload(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import stages.bench.live.conversation_bench as conversation_bench
+
+    seen = []
+    monkeypatch.setattr(conversation_bench, "run_conversation_bench",
+                        lambda config, *args: seen.append(config) or {})
+    monkeypatch.setenv("ELDR_HOME", str(tmp_path))
+    result = runner.invoke(app, [
+        "bench", "--workload", "conversations", "--variant",
+        'arrival=eldr-kv:{"decode_choice": "arrival"}', "--variant", "plain=eldr-kv:{}",
+        "--policy-config", '{"eldr-kv": {"local_prefill_below": 64}}'])
+    assert result.exit_code == 0, result.output
+    (config,) = seen
+    # No --policies: the variants alone, not every policy.
+    assert [(t.name, t.policy, dict(t.options or ())) for t in config.targets] == [
+        ("arrival", "eldr-kv", {"decode_choice": "arrival", "local_prefill_below": 64}),
+        ("plain", "eldr-kv", {"decode_choice": "after-prefill", "local_prefill_below": 64}),
+    ]
+    refused = runner.invoke(app, ["bench", "--variant", "a=rr:{}"])
+    assert isinstance(refused.exception, EldrError) and "add --workload" in str(
+        refused.exception)

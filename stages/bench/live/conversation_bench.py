@@ -119,7 +119,9 @@ def run_conversation_bench(config: ConversationBenchConfig, prefill: tuple[str, 
         "max_concurrency": config.max_concurrency, "max_tokens": config.max_tokens,
         "think_time_s": config.think_time_s, "turns_per_conversation": config.turns,
         "rounds": config.rounds, "seed": config.seed,
-        "targets": {t.name: {"url": t.url, "policy": t.policy} for t in config.targets},
+        "targets": {t.name: {"url": t.url, "policy": t.policy,
+                             "options": None if t.options is None else dict(t.options)}
+                    for t in config.targets},
         "prefill_urls": list(config.prefill_urls), "decode_urls": list(config.decode_urls),
         "run_order": [o.target for o in outcomes],
     }

@@ -129,8 +129,10 @@ class _Run:
         salt = run_salt(cfg.seed, round_, target.name)
         conversations = cfg.source(run_index, salt)
         if target.policy is not None:
+            options = (dict(target.options) if target.options is not None
+                       else cfg.policy_config.overrides(target.policy))
             await ProxyAdmin(self.client, target.url).set_policy(
-                target.policy, cfg.policy_config.overrides(target.policy), cfg.seed + round_)
+                target.policy, options, cfg.seed + round_)
         prefill0, decode0 = await self._counters()
         experts0 = (await scrape_decode_counters(self.client, cfg.decode_urls)
                     if cfg.decode_urls else None)
