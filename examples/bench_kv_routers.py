@@ -17,6 +17,17 @@ picks another.
 
     python -m examples.bench_kv_routers                      # about 15 min on 2 cores
     python -m examples.bench_kv_routers --rounds 2 --conversations 6 --policies eldr-kv
+
+Configurations of one policy as rows of their own (``eldr bench --variant``): eldr-kv
+choosing the decode worker at arrival, and a decode worker prefilling what it lacks itself
+below 256 tokens, beside eldr-kv's defaults and a load balancer. The decode choice at arrival
+needs an artifact with a token predictor: ``--capture N`` captures N calibration prompts and
+fits one centroid per decode worker first (several minutes on CPU), or ``--home`` names an
+ELDR_HOME that holds one (a ``signatures.zarr`` there and no artifact: it is fitted).
+
+    python -m examples.bench_kv_routers --no-vllm-router --capture 400 --policies eldr-kv,jsq \
+        --variant 'arrival=eldr-kv:{"decode_choice": "arrival"}' \
+        --variant 'local-256=eldr-kv:{"local_prefill_below": 256}'
 """
 
 from __future__ import annotations
@@ -79,7 +90,17 @@ def main() -> None:
                     help="eldr's policies to bench, comma separated")
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router"),
                     help="the vllm-router executable (pip install vllm-router)")
+    ap.add_argument("--no-vllm-router", action="store_true",
+                    help="bench eldr's policies and variants alone")
     ap.add_argument("--vllm-router-policy", default="cache_aware")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="a row of an eldr policy with its own options, LABEL=POLICY:JSON, as"
+                    " `eldr bench --variant` takes it (repeatable)")
+    ap.add_argument("--capture", type=int, default=0,
+                    help="capture this many calibration prompts and fit an artifact (one"
+                    " centroid per decode worker, with its token predictor) before serving")
+    ap.add_argument("--home", type=Path, default=None,
+                    help="the ELDR_HOME to serve from (default: a new temporary one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=3)
@@ -91,12 +112,15 @@ def main() -> None:
                     """ (e.g. '{"eldr-kv": {"cost": "cpu"}}' on CPU workers)""")
     ap.add_argument("--result-dir", type=Path, default=Path("results/kv-routers"))
     args = ap.parse_args()
-    if not args.vllm_router or not Path(args.vllm_router).exists():
-        raise SystemExit("vllm-router not found: pip install vllm-router, or give --vllm-router")
+    use_router = not args.no_vllm_router
+    if use_router and (not args.vllm_router or not Path(args.vllm_router).exists()):
+        raise SystemExit("vllm-router not found: pip install vllm-router, give --vllm-router,"
+                         " or bench without it (--no-vllm-router)")
 
     eldr = [sys.executable, "-m", "eldr_cli"]
-    home = Path(tempfile.mkdtemp(prefix="eldr-kv-routers-"))
+    home = args.home or Path(tempfile.mkdtemp(prefix="eldr-kv-routers-"))
     env = {**os.environ, "ELDR_HOME": str(home)}
+    _calibrate(eldr, env, home, args.model, args.capture, args.decode)
     proxy_port, router_port, worker_port = free_ports(3)
     proxy = f"http://127.0.0.1:{proxy_port}"
     router = f"http://127.0.0.1:{router_port}"
@@ -109,6 +133,22 @@ def main() -> None:
         state = httpx.get(f"{proxy}/admin/state", timeout=10).json()
         prefill = [w["url"] for w in state["prefill_workers"]]
         decode = [w["url"] for w in state["decode_workers"]]
+        bench = [*eldr, "bench", "--url", proxy, "--policies", args.policies,
+                 "--workload", "conversations",
+                 "--turns", str(args.turns), "--conversations", str(args.conversations),
+                 "--rounds", str(args.rounds), "--max-concurrency",
+                 str(args.max_concurrency), "--max-tokens", str(args.max_tokens),
+                 "--think-time", str(args.think_time),
+                 "--prefill-urls", ",".join(prefill), "--decode-urls", ",".join(decode),
+                 "--result-dir", str(args.result_dir)]
+        for variant in args.variant:
+            bench += ["--variant", variant]
+        if args.policy_config:
+            bench += ["--policy-config", args.policy_config]
+        if not use_router:
+            print(" ".join(bench[2:]), flush=True)
+            subprocess.run(bench, env=env, check=True)
+            return
         argv = [args.vllm_router, "--vllm-pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(router_port), "--policy", args.vllm_router_policy]
         for url in prefill:
@@ -118,18 +158,25 @@ def main() -> None:
         with _running(argv, home / "vllm-router.log") as routed:
             _wait_healthy(router, routed, "vllm-router", 60)
             name = f"vllm-router-{args.vllm_router_policy.replace('_', '-')}"
-            bench = [*eldr, "bench", "--url", proxy, "--policies", args.policies,
-                     "--router", f"{name}={router}", "--workload", "conversations",
-                     "--turns", str(args.turns), "--conversations", str(args.conversations),
-                     "--rounds", str(args.rounds), "--max-concurrency",
-                     str(args.max_concurrency), "--max-tokens", str(args.max_tokens),
-                     "--think-time", str(args.think_time),
-                     "--prefill-urls", ",".join(prefill), "--decode-urls", ",".join(decode),
-                     "--result-dir", str(args.result_dir)]
-            if args.policy_config:
-                bench += ["--policy-config", args.policy_config]
+            bench += ["--router", f"{name}={router}"]
             print(" ".join(bench[2:]), flush=True)
             subprocess.run(bench, env=env, check=True)
+
+
+def _calibrate(eldr: list[str], env: dict[str, str], home: Path, model: str, capture: int,
+               decode: int) -> None:
+    """An artifact for the decode choice at arrival (its centroids and token predictor):
+    ``capture`` calibration prompts captured (16 decode tokens each, as the tests' capture),
+    then one balanced centroid per decode worker fitted, unless the home has an artifact."""
+    if capture > 0:
+        step = [*eldr, "capture", "--model", model, "--limit", str(capture), "--max-tokens",
+                "16"]
+        print(" ".join(step[2:]), flush=True)
+        subprocess.run(step, env=env, check=True)
+    if (home / "signatures.zarr").exists() and not (home / "artifacts").exists():
+        step = [*eldr, "fit", "--k", str(decode), "--balanced", "--no-plot"]
+        print(" ".join(step[2:]), flush=True)
+        subprocess.run(step, env=env, check=True)
 
 
 if __name__ == "__main__":
