@@ -259,6 +259,10 @@ def main() -> None:
             p99 = float(np.percentile(us, 99))
             verdict = "meets" if p99 <= KV_GOAL_US else "MISSES"
             print(f"  {what:27}: {percentiles(us)}  {verdict} p99 <= 1 ms")
+            # A p99 of a few ms on a busy host is the host's: read it against a loop as long.
+            noise_p50, noise_p99 = host_noise(float(np.percentile(us, 50)), len(us))
+            print(f"  {'host alone, a loop as long':27}: p50 {noise_p50:6.1f} us  p99"
+                  f" {noise_p99:6.1f} us")
 
 
 if __name__ == "__main__":
