@@ -214,6 +214,44 @@ def test_the_proxy_predicts_every_prefix_cache_hit_the_workers_make(
     assert (predicted_prefill, predicted_decode) == (prefill_hits, decode_hits)
 
 
+def _set_eldr_kv(deployment: Deployment, **config: object) -> None:
+    httpx.post(f"{deployment.proxy_url}/admin/policy",
+               json={"policy": "eldr-kv", "config": config}, timeout=10).raise_for_status()
+
+
+def test_a_request_its_decode_worker_prefills_itself_answers_as_the_pd_path(
+    deployment: Deployment
+) -> None:
+    """Conditional disaggregation (eldr-kv's local_prefill_below): a request that skips the
+    prefill worker, its decode worker prefilling it itself, gives the same greedy output as
+    the same request on the PD path (prefill worker, KV hand-off), and the proxy counts it as
+    local. The second request is a conversation's next turn: its decode worker holds nearly
+    all of the prompt."""
+    prompt = uuid.uuid4().hex + " The council published the survey of river crossings." * 20
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+
+    def answer_now() -> str:
+        response = httpx.post(f"{deployment.proxy_url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    def local_prefills() -> float:
+        return _counters((deployment.proxy_url,), "eldr_router_local_prefills_total")
+
+    try:
+        _set_eldr_kv(deployment, local_prefill_below=0, decode_choice="after-prefill")
+        before = local_prefills()
+        on_pd_path = answer_now()
+        assert local_prefills() == before
+        _events_settled(deployment)  # the proxy knows which decode worker holds the prompt
+        _set_eldr_kv(deployment, local_prefill_below=1_000_000)
+        prefilled_locally = answer_now()
+        assert local_prefills() == before + 1
+    finally:  # the options stay for later switches back to eldr-kv: the default again
+        _set_eldr_kv(deployment, local_prefill_below=0)
+    assert on_pd_path and prefilled_locally == on_pd_path
+
+
 def test_workers_keep_vllms_hybrid_kv_cache_manager(deployment: Deployment) -> None:
     # vLLM turns its hybrid KV cache manager off for the whole engine when any connector lacks
     # SupportsHMA (sliding-window models then run slower): eldr's connector must not be one.
