@@ -61,6 +61,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from stages.paths import BUNDLED_MODELS_DIR
 from stages.procs import linux
 from stages.procs.health import wait_healthy
 from stages.serve.cluster.ports import free_ports
@@ -133,7 +134,7 @@ class Point:
 
 def serve_fakes(ports: list[int], tokens: int, pace_s: float,
                 batch_ports: list[int] | None = None, kv_events: list[str] | None = None,
-                chars_per_token: float = 4.0) -> None:
+                chars_per_token: float = 4.0, kv_model: str | None = None) -> None:
     """One process, one fake vLLM server on every port (prefill or decode by the request).
     With ``batch_ports`` each is a decode worker publishing its batch there, as eldr's
     connector does (and the decode counts of requests a proxy records). The fakes answer as
@@ -147,9 +148,10 @@ def serve_fakes(ports: list[int], tokens: int, pace_s: float,
                             publisher=publisher)
 
     behaviors = [fake(batch_ports[i] if batch_ports else None) for i in range(len(ports))]
-    # Stand-in block hashes (model None): every prompt is new, and tokenizing each would cost
-    # the fakes the router's cores.
-    kv = [FakeKVPublisher(e, None, chars_per_token=chars_per_token) for e in kv_events or []]
+    # Stand-in block hashes (kv_model None) where every prompt is new: tokenizing each would
+    # cost the fakes the router's cores. Repeated prompts get real ones, hashed once each.
+    kv = [FakeKVPublisher(e, kv_model, chars_per_token=chars_per_token)
+          for e in kv_events or []]
     lean_worker.serve([lean_worker.listening_socket(port) for port in ports], behaviors, kv)
 
 
@@ -231,24 +233,26 @@ def cpu_seconds(root: int) -> float:
 # -- load generator -----------------------------------------------------------------------
 
 def generate(url: str, workload: str, concurrency: int, seconds: float, tokens: int,
-             prompts: list[str] | None, out: mp.Queue) -> None:
+             prompts: list[str] | None, unique: bool, out: mp.Queue) -> None:
     """Closed-loop clients for ``seconds``; puts (requests, failed, chunks, latencies)."""
     import uvloop
 
-    out.put(uvloop.run(_generate(url, workload, concurrency, seconds, tokens, prompts)))
+    out.put(uvloop.run(_generate(url, workload, concurrency, seconds, tokens, prompts,
+                                 unique)))
 
 
 async def _generate(url: str, workload: str, concurrency: int, seconds: float,
-                    tokens: int, prompts: list[str] | None) -> tuple[int, int, int, list[float]]:
+                    tokens: int, prompts: list[str] | None,
+                    unique: bool = True) -> tuple[int, int, int, list[float]]:
     # eldr's own upstream client: a fraction of aiohttp's CPU per request, which the router
     # under test would otherwise lose to the load generator.
     from stages.serve.proxy.legs.http1 import Http1Client, Timeouts, UpstreamError
 
     stream = workload != "plain"
-    if prompts is None:
-        bodies = [json.dumps({"model": "fake-model", "prompt": f"domain={d} benchmark prompt",
-                              "max_tokens": tokens, "stream": stream}).encode()
-                  for d in range(16)]
+    if prompts is None or not unique:
+        texts = prompts or [f"domain={d} benchmark prompt" for d in range(16)]
+        bodies = [json.dumps({"model": "fake-model", "prompt": text, "max_tokens": tokens,
+                              "stream": stream}).encode() for text in texts]
     else:
         # A request number in front makes every prompt new (no block of it cached anywhere);
         # the body is spliced around it, not encoded again per request.
@@ -260,7 +264,7 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
     sent = [0]
 
     def body(i: int) -> bytes:
-        if prompts is None:
+        if prompts is None or not unique:
             return bodies[i % 16]
         sent[0] += 1
         head, tail = halves[i % len(halves)]
@@ -348,11 +352,11 @@ def _tool(name: str) -> str:
 
 def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workload: str,
             concurrency: int, seconds: float, tokens: int, workers: list[int],
-            prompts: list[str] | None = None) -> Point:
+            prompts: list[str] | None = None, unique: bool = True) -> Point:
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
     gen = ctx.Process(target=generate, args=(url, workload, concurrency, seconds, tokens,
-                                             prompts, queue))
+                                             prompts, unique, queue))
     cpu0, sys0 = cpu_times(proc.pid) if proc else (0.0, 0.0)
     workers0 = sum(cpu_seconds(pid) for pid in workers)
     t0 = time.monotonic()
@@ -390,13 +394,14 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
     kv_events = ([f"tcp://127.0.0.1:{p}" for p in kv_event_ports(len(ports) - 1, ports)]
                  if any(r in KV_AWARE for r in routers) else [])
     texts, chars_per_token = prompts
+    kv_model = str(BUNDLED_MODELS_DIR / "tiny") if args.repeat_prompts else None
     fakes = [ctx.Process(target=serve_fakes, daemon=True,
                          args=(ports[:args.prefill], args.tokens, 0.0, None,
-                               kv_events[:args.prefill], chars_per_token)),
+                               kv_events[:args.prefill], chars_per_token, kv_model)),
              ctx.Process(target=serve_fakes, daemon=True,
                          args=(ports[args.prefill:-1], args.tokens,
                                args.pace_ms / 1000 if paced else 0.0, batch_ports,
-                               kv_events[args.prefill:], chars_per_token))]
+                               kv_events[args.prefill:], chars_per_token, kv_model))]
     points: list[Point] = []
     for f in fakes:
         f.start()
@@ -415,7 +420,8 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     name = f"{router}-{workload}-{concurrency}"
                     spy = start_profile(proc, router, args.profile, name, args.seconds)
                     point = measure(router, proc, url + "/v1/completions", workload,
-                                    concurrency, args.seconds, args.tokens, fake_pids, texts)
+                                    concurrency, args.seconds, args.tokens, fake_pids, texts,
+                                    not args.repeat_prompts)
                     points.append(point)
                     print(_row(point), flush=True)
                     if spy is not None:
@@ -475,8 +481,6 @@ def long_prompts(tokens: int) -> tuple[list[str] | None, float]:
         return None, 4.0
     from transformers import AutoTokenizer
 
-    from stages.paths import BUNDLED_MODELS_DIR
-
     tok = AutoTokenizer.from_pretrained(BUNDLED_MODELS_DIR / "tiny")
     tok.model_max_length = 1 << 62  # only counting: no warning for a prompt past the model's
     words = ("the router reads each worker's cache of blocks and sends the request where its"
@@ -506,6 +510,9 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=0,
                         help="every request's own prompt of about this many tokens (0: 16 short"
                         " prompts, repeated)")
+    parser.add_argument("--repeat-prompts", action="store_true",
+                        help="with --prompt-tokens: the same 16 prompts again and again (what a"
+                        " worker holds hits: the fakes publish their real block hashes)")
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench_proxy.json"))
