@@ -242,7 +242,7 @@ def generate(url: str, workload: str, concurrency: int, seconds: float, tokens: 
 
 
 async def _generate(url: str, workload: str, concurrency: int, seconds: float,
-                    tokens: int, prompts: list[str] | None,
+                    tokens: int, prompts: list[str] | None = None,
                     unique: bool = True) -> tuple[int, int, int, list[float]]:
     # eldr's own upstream client: a fraction of aiohttp's CPU per request, which the router
     # under test would otherwise lose to the load generator.
@@ -265,7 +265,7 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
 
     def body(i: int) -> bytes:
         if prompts is None or not unique:
-            return bodies[i % 16]
+            return bodies[i % len(bodies)]
         sent[0] += 1
         head, tail = halves[i % len(halves)]
         return b"%s%d%s" % (head, sent[0], tail)

@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
+
 from stages.paths import BUNDLED_MODELS_DIR
 from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_events import follow_kv_events
 from stages.serve.proxy.view.kv_routing import KVRouting
+from tests.fakes import lean_worker
 from tests.fakes.kv_publisher import FakeKVPublisher
+from tests.fakes.worker import FakeBehavior
 
 TINY = str(BUNDLED_MODELS_DIR / "tiny")
 
@@ -93,6 +97,33 @@ def test_stand_in_hashes_keep_the_view_trusted_and_evictions_bound_what_it_holds
     assert publisher.published == 5
     assert view.block_size == 32 and view.trusted().tolist() == [True]
     assert view.index.held(0) == 7  # 15 stored, the oldest 8 removed as the fake evicted them
+
+
+@pytest.mark.parametrize("unique", [True, False])
+def test_the_bench_sends_new_prompts_each_time_or_the_same_ones_again(unique: bool) -> None:
+    from examples.bench_proxy import _generate
+
+    # Every new prompt makes the fake store blocks (one batch); a repeated one makes none.
+    publisher = FakeKVPublisher(f"tcp://127.0.0.1:{_free_pair()}", None, block_size=32)
+    sock = lean_worker.listening_socket(0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    prompts = ["one long prompt " * 25, "another long prompt " * 20]
+
+    async def run() -> int:
+        workers = await lean_worker.start([sock], [FakeBehavior("bench", record=False)],
+                                          [publisher])
+        try:
+            requests, failed, _, _ = await _generate(url, "plain", 4, 0.5, 7, prompts, unique)
+        finally:
+            workers[0].close()
+        assert failed == 0 and requests > 20
+        return requests
+
+    try:
+        requests = asyncio.run(run())
+    finally:
+        publisher.close()
+    assert publisher.published == (requests if unique else len(prompts))
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
