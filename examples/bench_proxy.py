@@ -33,10 +33,11 @@ others leave it: compare routers within one run, and read the CPU columns.
 Prompts: by default 16 short ones (about 8 tokens), repeated. ``--prompt-tokens N``: every
 request's prompt is its own (a request number, then one of 16 texts of about N tokens of the
 bundled ``tiny``'s tokenizer): single-turn traffic, nothing cached anywhere, so eldr-kv
-tokenizes and hashes every prompt cold. For eldr-kv the fake workers publish vLLM's KV events
-(tests.fakes.kv_publisher: block size 128 as on CPU, stand-in block hashes so the fakes need no
-tokenizer) and the proxy subscribes to them (``--attach-kv-events``); every router measured
-with it runs on the same publishing fakes.
+tokenizes and hashes every prompt cold; with ``--repeat-prompts`` the 16 texts repeat (what the
+workers hold hits). For eldr-kv the fake workers publish vLLM's KV events
+(tests.fakes.kv_publisher: block size 128 as on CPU; stand-in block hashes for new prompts, so
+the fakes need no tokenizer, real ones for repeated prompts) and the proxy subscribes to them
+(``--attach-kv-events``); every router measured with it runs on the same publishing fakes.
 
 ``--profile DIR`` samples each eldr router with py-spy (``pip install py-spy``) during every
 point: a flame graph per point in DIR, and the functions with the most CPU printed.
