@@ -61,3 +61,14 @@ def test_a_difference_seen_on_a_live_request_turns_the_cache_off() -> None:
     assert cache.enabled  # not checked yet
     assert cache.encode("LIVE|two") == [-1]  # checked, different: the whole text's ids
     assert not cache.enabled
+
+
+def test_the_cache_is_bounded_by_the_ids_it_holds_not_by_pieces() -> None:
+    tok = AutoTokenizer.from_pretrained(TINY)
+    cache = SegmentCache(tok, max_tokens=1000)
+    for i in range(30):  # single-turn traffic: every prompt one new piece of ~200 tokens
+        text = f"request {i}: " + "the committee reviewed the annual report " * 30
+        assert cache.encode(text) == tok.encode(text, add_special_tokens=False)
+    assert 0 < cache.tokens <= 1000
+    assert cache.tokens == sum(len(ids) for ids in cache._pieces.values())
+    assert len(cache._pieces) < 30  # the oldest went

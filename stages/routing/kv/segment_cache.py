@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import logging
 import re
+from array import array
 from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# Bounded by the ids it holds, not by pieces: pieces run from a role tag to a whole prompt. At
+# 4 bytes an id plus the text (about 4 bytes a token), 4 Mi tokens is about 32 MiB.
+DEFAULT_MAX_TOKENS = 1 << 22
 
 SAMPLES = (
     "plain text, no special token at all",
@@ -27,10 +32,14 @@ SAMPLES = (
 
 
 class SegmentCache:
-    def __init__(self, tokenizer: Any, max_pieces: int = 65536, verify_every: int = 512) -> None:
+    def __init__(self, tokenizer: Any, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 verify_every: int = 512) -> None:
         self._tok = tokenizer
-        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._max_pieces = max_pieces
+        # Ids as 4-byte arrays: a tuple of Python ints costs ~36 bytes a token, and single-turn
+        # traffic puts every prompt in here whole (2,000 tokens: 72 KB as a tuple).
+        self._pieces: OrderedDict[str, array[int]] = OrderedDict()
+        self._max_tokens = max_tokens
+        self.tokens = 0  # ids held, all pieces together
         self._verify_every = verify_every
         self._count = 0
         specials = sorted({t for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
@@ -40,6 +49,7 @@ class SegmentCache:
         if self._cut is not None and not self.enabled:
             log.info("tokenizer encodes across its special tokens: prompts encoded whole")
         self._pieces.clear()
+        self.tokens = 0
 
     @staticmethod
     def _samples(specials: list[str]) -> list[str]:
@@ -71,10 +81,11 @@ class SegmentCache:
                 continue
             hit = pieces.get(piece)
             if hit is None:
-                hit = tuple(self._tok.encode(piece, add_special_tokens=False))
+                hit = array("i", self._tok.encode(piece, add_special_tokens=False))
                 pieces[piece] = hit
-                if len(pieces) > self._max_pieces:
-                    pieces.popitem(last=False)
+                self.tokens += len(hit)
+                while self.tokens > self._max_tokens and len(pieces) > 1:
+                    self.tokens -= len(pieces.popitem(last=False)[1])
             else:
                 pieces.move_to_end(piece)
             ids.extend(hit)
