@@ -312,3 +312,41 @@ def test_a_local_prefill_that_fails_takes_the_pd_path(kv_proxy) -> None:
     assert len(behaviors[2].received) == 1  # tried locally first
     assert sum(len(b.received) for b in behaviors[:2]) == 1  # then prefilled remotely
     assert len(behaviors[3].received) == 1  # and decoded on the other worker
+
+
+def test_a_replay_that_skips_batches_starts_the_workers_index_over(tmp_path) -> None:
+    """A ROUTER drops what a full pipe cannot take: batches missing inside a replay may have
+    removed blocks, so the index keeps only what follows the hole."""
+    import zmq
+    import zmq.asyncio
+
+    endpoint = f"ipc://{tmp_path}/ev"
+
+    async def follow() -> KVView:
+        context = zmq.asyncio.Context.instance()
+        router = context.socket(zmq.ROUTER)
+        router.bind(replay_endpoint(endpoint))
+        view = KVView(1)
+        task = asyncio.create_task(follow_kv_events([KVEventSource.parse(endpoint)], view))
+        identity, _, start = await router.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        # Batch 2 (which removed block 1) never arrives.
+        for seq, payload in ((0, batch(stored([1, 2], block_size=16))),
+                             (1, batch(stored([3], block_size=16))),
+                             (3, batch(stored([4], block_size=16)))):
+            await router.send_multipart((identity, b"", b"kv", seq.to_bytes(8, "big"), payload))
+        await router.send_multipart((identity, b"", b"", (-1).to_bytes(8, "big", signed=True),
+                                     b""))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if view.last_seq[0] == 3:
+                break
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        router.close(linger=0)
+        return view
+
+    view = asyncio.run(follow())
+    assert view.last_seq[0] == 3
+    assert view.lost[0] == 1
+    assert view.index.held(0) == 1  # block 4 only: 1-3 were known before the hole
