@@ -43,8 +43,11 @@ def counting_worker(behavior: FakeBehavior) -> Starlette:
 
     async def metrics(request: Request) -> PlainTextResponse:
         n = len(behavior.received)
+        # Expert counters as eldr's plugin exports them: 3 distinct experts a decode step.
+        experts = (f"eldr_decode_steps_total {10.0 * n}\n"
+                   f"eldr_decode_active_experts_total {30.0 * n}\n")
         return PlainTextResponse(METRICS_PAGE.format(queries=100.0 * n, hits=60.0 * n,
-                                                     pulled=40.0 * n))
+                                                     pulled=40.0 * n) + experts)
 
     return Starlette(routes=[Route("/metrics", metrics)])
 
@@ -126,6 +129,10 @@ def test_a_router_benches_conversations_with_their_real_answers(
     assert doc["prefill_hit_share"] == pytest.approx(0.6)
     assert doc["prefill_hit_share_by_worker"] == [pytest.approx(0.6)]
     assert doc["decode_kv_pulled_tokens"] == pytest.approx(18 * 40.0)
+    # The decode workers' experts per step, over both rounds and each round's own.
+    assert doc["active_experts_per_step"] == pytest.approx(3.0)
+    assert doc["active_experts_per_step_by_round"] == [pytest.approx(3.0)] * 2
+    assert doc["active_experts_round_spread"] == pytest.approx(0.0)
     assert doc["block_size"] == 32
     assert 0 < doc["ideal_prefill_hit_share"] <= doc["ideal_history_hit_share"] < 1
     assert "TTFT p50 t>=2" in result.output

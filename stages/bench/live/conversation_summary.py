@@ -58,6 +58,12 @@ def target_metrics(runs: Sequence[RunOutcome], block_size: int) -> dict[str, obj
         for e in experts[1:]:
             stats = stats + e  # type: ignore[operator]
         metrics |= stats.as_dict()  # type: ignore[union-attr]
+        # Each round's own figure, so a difference in experts is read against its noise as
+        # TTFT's and TPOT's are (one run per round).
+        per_round = [e.active_experts_per_step for e in experts]  # type: ignore[union-attr]
+        metrics["active_experts_per_step_by_round"] = per_round
+        metrics["active_experts_round_spread"] = (max(per_round) - min(per_round)
+                                                  if len(per_round) > 1 else math.nan)
     return metrics
 
 
