@@ -48,6 +48,9 @@ class BlockIndex:
     def cleared(self, worker: int) -> None:
         self.removed(worker, list(self._blocks[worker]))
 
+    def held_anywhere(self, block_hash: int) -> bool:
+        return block_hash in self._holders
+
     def held(self, worker: int) -> int:
         return len(self._blocks[worker])
 

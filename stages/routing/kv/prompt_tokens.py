@@ -11,7 +11,7 @@ own, a LoRA adapter) gets ``None``: it is routed without KV matching rather than
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from stages.errors import EldrError
 from stages.routing.kv.segment_cache import SegmentCache
@@ -39,6 +39,40 @@ class PromptTokenizer:
         self._specials = _added_specials(self._tok)
 
     def completion(self, body: dict[str, Any]) -> list[int] | None:
+        return self.ids(self.render(body, chat=False))
+
+    def chat(self, body: dict[str, Any]) -> list[int] | None:
+        return self.ids(self.render(body, chat=True))
+
+    def render(self, body: dict[str, Any], chat: bool) -> Rendered | None:
+        """The request's prompt as the text its worker encodes (or the ids it was given);
+        None where it cannot be reproduced exactly."""
+        return self._chat(body) if chat else self._completion(body)
+
+    def ids(self, rendered: Rendered | None) -> list[int] | None:
+        """All of the prompt's ids."""
+        if rendered is None:
+            return None
+        if rendered.text is None:
+            return list(rendered.before)
+        if rendered.whole:
+            return list(self._tok.encode(rendered.text, add_special_tokens=True))
+        # Ids from the tokenizer itself need no per-token check (150 us at 2,000 tokens).
+        ids = [*rendered.before, *self._pieces.encode(rendered.text), *rendered.after]
+        return ids or None
+
+    def head_ids(self, rendered: Rendered, chars: int) -> list[int]:
+        """The ids of the prompt's first ``chars`` characters, encoded apart (nothing cached):
+        all but the last few equal the whole prompt's first ids, as a tokenizer that splits
+        its text into words first encodes each word on its own."""
+        if rendered.text is None:
+            return list(rendered.before)
+        text = rendered.text[:chars]
+        if rendered.whole:
+            return list(self._tok.encode(text, add_special_tokens=True))
+        return [*rendered.before, *self._tok.encode(text, add_special_tokens=False)]
+
+    def _completion(self, body: dict[str, Any]) -> Rendered | None:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]  # one prompt in a list is the same request
@@ -47,16 +81,16 @@ class PromptTokenizer:
             if not isinstance(special, bool):
                 return None
             if not special:
-                return self._pieces.encode(prompt)
+                return Rendered(prompt)
             if self._specials is None:
-                return list(self._tok.encode(prompt, add_special_tokens=True))
+                return Rendered(prompt, whole=True)
             head, tail = self._specials
-            return [*head, *self._pieces.encode(prompt), *tail]
+            return Rendered(prompt, tuple(head), tuple(tail))
         if _token_ids(prompt):
-            return list(prompt)
+            return Rendered(None, tuple(prompt))
         return None
 
-    def chat(self, body: dict[str, Any]) -> list[int] | None:
+    def _chat(self, body: dict[str, Any]) -> Rendered | None:
         if any(body.get(name) not in (None, False, []) for name in _CHAT_UNSUPPORTED):
             return None
         messages = body.get("messages")
@@ -82,10 +116,16 @@ class PromptTokenizer:
                 conversation, add_generation_prompt=generation_prompt, tokenize=False)
         except (TemplateError, ValueError):
             return None  # the template refuses this input: the worker will answer why
-        if not isinstance(text, str):
+        if not isinstance(text, str) or not text:
             return None
-        # Ids from the tokenizer itself need no per-token check (150 us at 2,000 tokens).
-        return self._pieces.encode(text) or None
+        return Rendered(text)
+
+
+class Rendered(NamedTuple):
+    text: str | None  # what the worker encodes; None: the request gave token ids
+    before: tuple[int, ...] = ()  # ids added before the text's (the given ids, if no text)
+    after: tuple[int, ...] = ()  # ids added after them
+    whole: bool = False  # the tokenizer adds specials of its own making: encode it whole
 
 
 def _added_specials(tok: Any) -> tuple[list[int], list[int]] | None:

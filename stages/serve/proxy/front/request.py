@@ -560,5 +560,6 @@ def request_context(
         reply_headers=MappingProxyType({"X-Request-Id": client_request_id or request_id}),
         arrived=time.monotonic(),
         admission=admission,
-        prompt=state.kv.prompt(body, chat) if state.kv is not None and state.kv_active else None,
+        prompt=(state.kv.prompt(body, chat, all_ids=state.router.policy.decodes_at_arrival)
+                if state.kv is not None and state.kv_active else None),
     )
