@@ -21,6 +21,9 @@ _CHAT_UNSUPPORTED = ("tools", "chat_template", "chat_template_kwargs", "document
                      "continue_final_message", "mm_processor_kwargs")
 
 
+_BACKEND_SAMPLES = ("plain words", " spaced  out\n\nlines ", "digits 12345, ünïcödé, 漢字")
+
+
 class PromptTokenizer:
     def __init__(self, model: str) -> None:
         """``model``: what the workers were given as ``--model`` (a directory or hub id)."""
@@ -37,6 +40,12 @@ class PromptTokenizer:
         self._tok.model_max_length = 1 << 62
         self._pieces = SegmentCache(self._tok)
         self._specials = _added_specials(self._tok)
+        # A fast tokenizer's Rust half, where it encodes as the tokenizer does (checked).
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and all(
+            backend.encode(t, add_special_tokens=False).ids
+            == list(self._tok.encode(t, add_special_tokens=False)) for t in _BACKEND_SAMPLES
+        ) else None
 
     def completion(self, body: dict[str, Any]) -> list[int] | None:
         return self.ids(self.render(body, chat=False))
@@ -70,6 +79,8 @@ class PromptTokenizer:
         text = rendered.text[:chars]
         if rendered.whole:
             return list(self._tok.encode(text, add_special_tokens=True))
+        if self._backend is not None:  # the Rust tokenizer itself: half the wrapper's time
+            return [*rendered.before, *self._backend.encode(text, add_special_tokens=False).ids]
         return [*rendered.before, *self._tok.encode(text, add_special_tokens=False)]
 
     def _completion(self, body: dict[str, Any]) -> Rendered | None:
