@@ -105,7 +105,7 @@ def bench_targets(proxy_url: str, policies: Sequence[str], routers: Sequence[str
     targets = _policy_rows(proxy_url, policies, variants, config or PolicyConfig())
     targets += [parse_router(r) for r in routers]
     if not targets:
-        raise EldrError("nothing to bench: give --policies and/or --router NAME=URL")
+        raise EldrError("nothing to bench: give --policies, --variant and/or --router NAME=URL")
     names = [t.name for t in targets]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
