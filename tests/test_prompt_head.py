@@ -61,3 +61,17 @@ def test_a_prompt_whose_first_block_is_held_is_matched_in_full(kv) -> None:
     prompt = kv.prompt({"prompt": text}, chat=False)
     assert prompt is not None and prompt.hashes == hashes and prompt.tokens == len(ids)
     assert kv.decode.cached_tokens(prompt.reusable).tolist() == [3 * BLOCK]
+
+
+def test_a_heads_first_block_is_encoded_once(kv, monkeypatch) -> None:
+    text = "A system prompt shared by many requests, then their own words. " * 40
+    kv.prompt({"prompt": text + "first"}, chat=False)
+    heads: list[int] = []
+    original = kv.tokenizer.head_ids
+    monkeypatch.setattr(kv.tokenizer, "head_ids",
+                        lambda rendered, chars: heads.append(chars) or original(rendered, chars))
+    second = kv.prompt({"prompt": text + "second"}, chat=False)
+    assert second is not None and second.hashes == [] and heads == []
+    # Another salt is another first block.
+    assert kv.prompt({"prompt": text + "third", "cache_salt": "s"}, chat=False) is not None
+    assert len(heads) == 1

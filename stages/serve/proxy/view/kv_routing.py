@@ -3,13 +3,14 @@ and a request's prompt as the block hashes those workers compute for it."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from stages.routing.kv.block_hashes import BlockHasher
-from stages.routing.kv.prompt_tokens import PromptTokenizer
+from stages.routing.kv.prompt_tokens import PromptTokenizer, Rendered
 from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_events import KVEventSource, KVView
 
@@ -32,6 +33,8 @@ class Prompt(NamedTuple):
 HEAD_CHARS_PER_TOKEN = 8
 # ... of which the first block's ids must lie this many tokens before the cut.
 HEAD_MARGIN_TOKENS = 16
+# Heads whose first block is known, most recent kept: ~1 KB of text each at block size 128.
+MAX_HEADS = 8192
 
 
 class KVRouting:
@@ -44,6 +47,7 @@ class KVRouting:
         # Prompt tokens each prefill worker has yet to compute for the requests sent to it:
         # its queue, in the currency of prefill time.
         self.prefill_queued = np.zeros(len(config.prefill_events), dtype=np.int64)
+        self._first_blocks: OrderedDict[tuple[Any, ...], tuple[int, int]] = OrderedDict()
 
     def sources(self, role: str) -> list[KVEventSource | None]:
         events = self.config.prefill_events if role == "prefill" else self.config.decode_events
@@ -70,17 +74,34 @@ class KVRouting:
         text = rendered.text
         chars = HEAD_CHARS_PER_TOKEN * block_size
         if not all_ids and text is not None and len(text) > 2 * chars:
-            head = self.tokenizer.head_ids(rendered, chars)
-            # A cut can change the ids of the word it falls in, never of the words before.
-            if len(head) >= block_size + HEAD_MARGIN_TOKENS:
-                first = self.hasher.hashes(head[:block_size], block_size, salt)[0]
-                if not (self.prefill.index.held_anywhere(first)
-                        or self.decode.index.held_anywhere(first)):
-                    return Prompt(round(len(head) * len(text) / chars), [], block_size)
+            first = self._first_block(rendered, text[:chars], block_size, salt)
+            if first is not None and not (self.prefill.index.held_anywhere(first[0])
+                                          or self.decode.index.held_anywhere(first[0])):
+                return Prompt(round(first[1] * len(text) / chars), [], block_size)
         ids = self.tokenizer.ids(rendered)
         if ids is None:
             return None
         return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size, ids)
+
+    def _first_block(self, rendered: Rendered, head_text: str, block_size: int,
+                     salt: str | None) -> tuple[int, int] | None:
+        """The hash of the first block of a prompt that starts with ``head_text``, and how
+        many ids the head has; None where the head is too short to tell. Kept by head: a
+        conversation's turns and a system prompt's requests share theirs."""
+        key = (head_text, rendered.before, salt, block_size)
+        known = self._first_blocks.get(key)
+        if known is not None:
+            self._first_blocks.move_to_end(key)
+            return known
+        head = self.tokenizer.head_ids(rendered, len(head_text))
+        # A cut can change the ids of the word it falls in, never of the words before.
+        if len(head) < block_size + HEAD_MARGIN_TOKENS:
+            return None
+        known = (self.hasher.hashes(head[:block_size], block_size, salt)[0], len(head))
+        self._first_blocks[key] = known
+        if len(self._first_blocks) > MAX_HEADS:
+            self._first_blocks.popitem(last=False)
+        return known
 
     def state(self) -> dict[str, Any]:
         return {"prefill": self.prefill.state(), "decode": self.decode.state(),
