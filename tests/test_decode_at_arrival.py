@@ -4,7 +4,8 @@ prefill fails leaves nothing behind in the policy."""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,16 +25,23 @@ def _arrival(client: Any) -> None:
         "policy": "eldr-kv", "config": {"decode_choice": "arrival"}}).is_success
 
 
-def _record_choices(state: Any, behaviors: list) -> list[tuple[int, Any, list]]:
-    """Each choice the router makes: prefill requests received by then, the features, and the
-    completions its decision heard."""
-    calls: list[tuple[int, Any, list]] = []
+class Choice(NamedTuple):
+    prefills_before: int  # prefill requests the workers had received when it was made
+    features: Any
+    done: list[int]  # the completions its decision heard
+    worker: int
+
+
+def _record_choices(state: Any, behaviors: list) -> list[Choice]:
+    """Each choice the router makes."""
+    calls: list[Choice] = []
     choose = state.router.choose
 
     def recording(features, loads, eligible, kv=NO_KV):  # type: ignore[no-untyped-def]
         decision = choose(features, loads, eligible, kv)
         done: list[int] = []
-        calls.append((sum(len(b.received) for b in behaviors[:2]), features, done))
+        calls.append(Choice(sum(len(b.received) for b in behaviors[:2]), features, done,
+                            decision.worker))
 
         def on_complete(worker: int) -> None:
             done.append(worker)
@@ -62,7 +70,7 @@ def test_the_decode_worker_is_chosen_before_the_prefill_on_the_cached_prefix(kv_
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
     assert r.status_code == 200, r.text
     assert len(calls) == 1  # one choice, not a second one after the prefill
-    prefills_before, features, done = calls[0]
+    prefills_before, features, done, _ = calls[0]
     assert prefills_before == 0
     # No predictor: the cached prefix's routing per token, carried over the whole prompt.
     assert features.counts is not None and not features.missing
@@ -84,3 +92,28 @@ def test_a_prefill_that_fails_releases_the_decode_chosen_at_arrival(kv_proxy) ->
     assert r.status_code == 400
     assert len(calls) == 1 and len(calls[0][2]) == 1  # the policy heard it end
     assert state.decode.loads().sum() == 0
+
+
+
+def test_a_decode_worker_that_leaves_during_the_prefill_is_chosen_again(kv_proxy) -> None:
+    state, behaviors, client = kv_proxy
+    _arrival(client)
+    ids = state.kv.tokenizer.completion({"prompt": PROMPT})
+    state.kv.prefill.apply(0, 0, batch(stored(BlockHasher().hashes(ids, 32)[:1],
+                                              block_size=32)))
+    calls = _record_choices(state, behaviors)
+    for b in behaviors[:2]:
+        b.delay_s = 0.5  # the prefill takes a while
+    answers: list[Any] = []
+    sender = threading.Thread(target=lambda: answers.append(client.post(
+        "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})))
+    sender.start()
+    wait_until(lambda: len(calls) == 1)
+    left = calls[0].worker
+    behaviors[2 + left].healthy = False  # its health probes fail from now on
+    state.decode.mark_unhealthy(left, "gone while the prefill ran")
+    sender.join(10)
+    assert answers and answers[0].status_code == 200, answers
+    assert [c.worker for c in calls] == [left, 1 - left]  # chosen again, elsewhere
+    assert calls[0].done == [left]  # the first choice was dropped from the policy
+    assert len(behaviors[2 + left].received) == 0 and len(behaviors[3 - left].received) == 1
