@@ -343,8 +343,8 @@ def test_schema_fuzzed_requests_get_vllms_status_class(deployment: Deployment) -
             fuzz(proxy.url, route)()
         state = httpx.get(f"{proxy.url}/admin/state", timeout=10).json()
     assert all(w["in_flight"] == 0 for w in state["prefill_workers"] + state["decode_workers"])
-    # Both paths were reached: requests vLLM served and requests it refused. (The derandomized
-    # draw gives vLLM 8-12 bodies it serves out of 160, depending on the run's answers.)
+    # Both paths were reached: requests vLLM served and requests it refused (a fresh-clone
+    # CI's draw had vLLM serve 8 of 160 bodies).
     assert sum(n for (_, want), n in seen.items() if want == 200) >= 5, seen
     assert sum(n for (_, want), n in seen.items() if want >= 400) >= 10, seen
 
