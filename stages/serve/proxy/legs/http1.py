@@ -13,8 +13,9 @@ Rules the legs rely on:
 - A connection goes back to the pool only when the parser saw its answer's end and the worker
   did not say ``Connection: close``; an answer released before its end closes the connection,
   which is how vLLM learns the client left (it aborts the request and frees its KV blocks).
-- A POST is never sent twice: a request that fails on a reused connection is reported as
-  failed (``UpstreamError``), not retried here; the legs decide (stages.serve.proxy.legs.decode).
+- A request (a leg's POST, a health or control call) is never sent twice: one that fails on a
+  reused connection is reported as failed (``UpstreamError``), not retried here; the caller
+  decides (for the legs, stages.serve.proxy.legs.decode).
 - Idle connections close after ``keepalive_s``, below the workers' own keep-alive, so no
   request goes out on a connection the worker is closing at that moment.
 - A cancelled request closes its connection and frees its slot.
