@@ -197,16 +197,20 @@ class DecodeRouter:
         if not (wants_vector or policy.uses_counts):
             return NO_FEATURES
         # Without an artifact the shape is not known here; a counts policy checks it.
-        inputs = routing_inputs(
-            wire.decode(kv_transfer_params, self._expected_shape),
-            self.artifact.transform.apply if wants_vector else None,
-        )
+        features = self._features_of(wire.decode(kv_transfer_params, self._expected_shape),
+                                     wants_vector)
+        if features.vector is not None and self.refitter is not None:
+            self.refitter.observe(features.vector, time.monotonic())
+        return features
+
+    def _features_of(self, counts: np.ndarray | None, wants_vector: bool) -> Features:
+        """A signature's routing inputs, as the active policy reads them; missing where there
+        is none (the worker counts empty signatures too)."""
+        inputs = routing_inputs(counts, self.artifact.transform.apply if wants_vector else None)
         if inputs.counts is None:
-            return Features(None, missing=True)  # the worker counts empty signatures too
-        vector = inputs.features
-        if vector is not None and self.refitter is not None:
-            self.refitter.observe(vector, time.monotonic())
-        return Features(vector, missing=False, counts=inputs.counts if policy.uses_counts else None)
+            return Features(None, missing=True)
+        return Features(inputs.features, missing=False,
+                        counts=inputs.counts if self.policy.uses_counts else None)
 
     def arrival_features(self, ids: Sequence[int], hashes: Sequence[int], block_size: int,
                          experts: BlockExperts | None) -> Features:
@@ -222,12 +226,7 @@ class DecodeRouter:
             return Features(None, missing=True)
         signature = arrival_signature(ids, hashes, block_size, experts or BlockExperts(),
                                       predictor)
-        inputs = routing_inputs(signature.counts,
-                                self.artifact.transform.apply if wants_vector else None)
-        if inputs.counts is None:
-            return Features(None, missing=True)
-        return Features(inputs.features, missing=False,
-                        counts=inputs.counts if policy.uses_counts else None)
+        return self._features_of(signature.counts, wants_vector)
 
     def choose(self, features: Features, loads: np.ndarray, eligible: np.ndarray,
                kv: KVInputs = NO_KV) -> Decision:
