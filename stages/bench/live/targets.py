@@ -5,7 +5,7 @@ another proxy, a bare vLLM server)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,8 +66,6 @@ def parse_variant(text: str) -> Variant:
         options = orjson.loads(doc)
     except orjson.JSONDecodeError as exc:
         raise EldrError(f"--variant {label}: the options are not JSON ({exc}): {doc!r}") from exc
-    if not isinstance(options, Mapping):
-        raise EldrError(f"--variant {label}: the options must be a JSON object, got {doc!r}")
     try:
         checked = PolicyConfig.from_mapping({policy: options})
     except EldrError as exc:
