@@ -32,6 +32,14 @@ class Choice(NamedTuple):
     worker: int
 
 
+def _arrival_with_block_size_known(state: Any, client: Any) -> None:
+    """Arrival choice on, and the block size told by a prefill worker holding the first block."""
+    _arrival(client)
+    ids = state.kv.tokenizer.completion({"prompt": PROMPT})
+    state.kv.prefill.apply(0, 0, batch(stored(BlockHasher().hashes(ids, 32)[:1],
+                                              block_size=32)))
+
+
 def _record_choices(state: Any, behaviors: list) -> list[Choice]:
     """Each choice the router makes."""
     calls: list[Choice] = []
@@ -81,26 +89,19 @@ def test_the_decode_worker_is_chosen_before_the_prefill_on_the_cached_prefix(kv_
 
 def test_a_prefill_that_fails_releases_the_decode_chosen_at_arrival(kv_proxy) -> None:
     state, behaviors, client = kv_proxy
-    _arrival(client)
-    ids = state.kv.tokenizer.completion({"prompt": PROMPT})
-    state.kv.prefill.apply(0, 0, batch(stored(BlockHasher().hashes(ids, 32)[:1],
-                                              block_size=32)))
+    _arrival_with_block_size_known(state, client)
     for b in behaviors[:2]:
         b.fail_status = 400  # a client error: not retried elsewhere
     calls = _record_choices(state, behaviors)
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
     assert r.status_code == 400
-    assert len(calls) == 1 and len(calls[0][2]) == 1  # the policy heard it end
+    assert len(calls) == 1 and len(calls[0].done) == 1  # the policy heard it end
     assert state.decode.loads().sum() == 0
-
 
 
 def test_a_decode_worker_that_leaves_during_the_prefill_is_chosen_again(kv_proxy) -> None:
     state, behaviors, client = kv_proxy
-    _arrival(client)
-    ids = state.kv.tokenizer.completion({"prompt": PROMPT})
-    state.kv.prefill.apply(0, 0, batch(stored(BlockHasher().hashes(ids, 32)[:1],
-                                              block_size=32)))
+    _arrival_with_block_size_known(state, client)
     calls = _record_choices(state, behaviors)
     for b in behaviors[:2]:
         b.delay_s = 0.5  # the prefill takes a while
