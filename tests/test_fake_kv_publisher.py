@@ -5,10 +5,11 @@ tokenizes and matches (it tokenizes only once a worker told it the block size)."
 from __future__ import annotations
 
 import asyncio
-import socket
+from collections.abc import Awaitable, Callable
 
 import pytest
 
+from examples.bench_proxy import kv_event_ports
 from stages.paths import BUNDLED_MODELS_DIR
 from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_events import follow_kv_events
@@ -21,18 +22,22 @@ TINY = str(BUNDLED_MODELS_DIR / "tiny")
 
 
 def _free_pair() -> int:
-    """A port free together with the next one (the replay socket's)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two adjacent free ports")
+    """A port free together with the next one (the replay socket's), as the bench picks them."""
+    return kv_event_ports(1, [])[0]
+
+
+def _follow_prefill_events(routing: KVRouting, meanwhile: Callable[[], Awaitable[None]]) -> None:
+    """The proxy's view follows the prefill workers' events while ``meanwhile`` runs."""
+
+    async def follow() -> None:
+        task = asyncio.create_task(follow_kv_events(routing.sources("prefill"), routing.prefill))
+        try:
+            await meanwhile()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(follow())
 
 
 def test_the_proxy_view_learns_block_size_and_the_prompts_blocks_from_the_fake() -> None:
@@ -44,20 +49,15 @@ def test_the_proxy_view_learns_block_size_and_the_prompts_blocks_from_the_fake()
     after = {"prompt": "another prompt, sent once the proxy listens " * 40, "max_tokens": 4}
     chat = {"messages": [{"role": "user", "content": "a chat question " * 40}]}
 
-    async def follow() -> None:
-        publisher.ran(before, chat=False)  # before the proxy listens: only the replay has it
-        task = asyncio.create_task(follow_kv_events(routing.sources("prefill"), routing.prefill))
-        try:
-            await _until(lambda: routing.prefill.block_size is not None)
-            publisher.ran(after, chat=False)
-            publisher.ran(chat, chat=True)
-            await _until(lambda: routing.prefill.events[0] == 3)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async def meanwhile() -> None:
+        await _until(lambda: routing.prefill.block_size is not None)
+        publisher.ran(after, chat=False)
+        publisher.ran(chat, chat=True)
+        await _until(lambda: routing.prefill.events[0] == 3)
 
     try:
-        asyncio.run(follow())
+        publisher.ran(before, chat=False)  # before the proxy listens: only the replay has it
+        _follow_prefill_events(routing, meanwhile)
     finally:
         publisher.close()
     view = routing.prefill
@@ -78,19 +78,14 @@ def test_stand_in_hashes_keep_the_view_trusted_and_evictions_bound_what_it_holds
                                  decode_events=(None,)))
     bodies = [{"prompt": f"{i:04d}" + "x" * 396} for i in range(5)]
 
-    async def follow() -> None:
-        task = asyncio.create_task(follow_kv_events(routing.sources("prefill"), routing.prefill))
-        try:
-            await asyncio.sleep(0.3)  # subscribed: no replay needed
-            for body in [*bodies, bodies[-1]]:  # the last again: it holds it, stores nothing
-                publisher.ran(body, chat=False)
-            await _until(lambda: routing.prefill.events[0] == 5)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+    async def meanwhile() -> None:
+        await asyncio.sleep(0.3)  # subscribed: no replay needed
+        for body in [*bodies, bodies[-1]]:  # the last again: it holds it, stores nothing
+            publisher.ran(body, chat=False)
+        await _until(lambda: routing.prefill.events[0] == 5)
 
     try:
-        asyncio.run(follow())
+        _follow_prefill_events(routing, meanwhile)
     finally:
         publisher.close()
     view = routing.prefill
