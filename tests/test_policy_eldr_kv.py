@@ -96,6 +96,36 @@ def test_a_decode_worker_holding_the_history_prefills_the_new_turn_itself() -> N
     assert _policy().choose_local(request, _prefill(cached=1536)) is None  # off by default
 
 
+def _busy(policy, workers: tuple[int, ...]) -> np.ndarray:
+    """One request with a signature (every expert alike) dispatched to each of ``workers``;
+    the loads that leaves."""
+    loads = np.zeros(3, dtype=np.int64)
+    for key, worker in enumerate(workers):
+        request = RoutingRequest(loads=loads.copy(), eligible=ALL,
+                                 counts=np.ones((4, 16), dtype=np.int16), output_tokens=256)
+        policy.choose(request)
+        policy.on_dispatch(worker, request, key)
+        loads[worker] += 1
+    return loads
+
+
+def test_a_local_prefill_pays_for_the_experts_it_adds_to_a_busy_holder() -> None:
+    """A request prefilled where it arrives has no signature yet: it is priced as the mean
+    request seen, so the experts it adds to the holder's running request count, not only a
+    batch slot (blind to experts the holder looked ~0.1 ms a step dearer than a free worker,
+    and later turns crowded onto busy holders: TPOT p99 +7.7% in the simulation)."""
+    request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL, prompt_tokens=2000,
+                             cached_tokens=np.array([0, 1904, 0]), output_tokens=256)
+    policy = _policy(local_prefill_below=512)
+    busy = request._replace(loads=_busy(policy, (1,)))
+    assert policy.choose_local(busy, _prefill(cached=1536)) is None
+    # Every worker runs one: the holder costs no more than the others, and the stall of 96
+    # tokens is cheaper than a prefill worker's 464 and the pull.
+    policy = _policy(local_prefill_below=512)
+    alike = request._replace(loads=_busy(policy, (0, 1, 2)))
+    assert policy.choose_local(alike, _prefill(cached=1536)) == 1
+
+
 def test_local_prefill_needs_to_know_the_kv() -> None:
     request = RoutingRequest(loads=np.zeros(3, dtype=np.int64), eligible=ALL)
     assert _policy(local_prefill_below=512).choose_local(request, _prefill(cached=0)) is None

@@ -106,6 +106,10 @@ class EldrKvPolicy(EldrUnionPolicy):
         self._joined = np.zeros(64)
         self._tokens = np.zeros(64)
         self._decisions = 0
+        # The inclusion probabilities of the requests dispatched with a signature, summed: their
+        # mean prices a request whose signature is unknown (``_typical_pi``).
+        self._pi_sum: np.ndarray | None = None
+        self._pi_seen = 0
 
     def _costs(self) -> CostModel:
         """The engine's costs: eldr-union's step model once a signature told the model's
@@ -174,6 +178,8 @@ class EldrKvPolicy(EldrUnionPolicy):
         loads, eligible = request.loads, request.eligible
         tokens = request.output_tokens or self.params.output_tokens
         pi = self._predict(request)
+        if pi is None:
+            pi = self._typical_pi()
         total = self._total
         beside = self._beside(request, tokens)
         if pi is not None:
@@ -201,8 +207,35 @@ class EldrKvPolicy(EldrUnionPolicy):
         return shared_load(self._worker[live], self._decisions - self._joined[live],
                            self._tokens[live], tokens, self.num_workers)
 
+    def _typical_pi(self) -> np.ndarray | None:
+        """A request without a signature (a local prefill chosen at arrival after prefill's
+        rule, a prompt the proxy could not read) as the mean of the requests seen: the experts
+        it is expected to add, by linearity exactly the mean of theirs. Pricing it blind to
+        experts instead (``scorers.load``) made a worker already running one request look
+        ~0.1 ms a step dearer than an idle one, where the experts it adds cost ~3 ms a step
+        (GPU-like cost, 48 layers): conditional disaggregation then sent later turns to their
+        busy history holder and raised TPOT p99 7.7% (docs/results.md)."""
+        if self._pi_sum is None or self._pi_seen == 0:
+            return None
+        return (self._pi_sum / self._pi_seen).astype(np.float32)
+
     def on_dispatch(self, worker: int, request: RoutingRequest, key: Hashable) -> None:
+        pi = self._predict(request)
+        typical = None
+        if pi is None:
+            typical = self._typical_pi()
+        elif self._pi_sum is None or self._pi_sum.shape != pi.shape:
+            self._pi_sum, self._pi_seen = pi.astype(np.float64), 1
+        else:
+            self._pi_sum += pi
+            self._pi_seen += 1
+        scored = self._scored is request and np.isfinite(self._latency[worker])
+        added = float(self._added[worker]) if scored else None
         super().on_dispatch(worker, request, key)
+        if typical is not None:  # weighed as the mean request until it completes
+            assert self._load is not None  # a signature was seen
+            self._load.add(worker, typical, added)
+            self._members[key] = (worker, typical)
         if not self._free:
             size = self._worker.size
             self._worker = np.concatenate([self._worker, np.full(size, -1, dtype=np.int64)])
