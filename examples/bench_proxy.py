@@ -247,7 +247,7 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
                     unique: bool = True) -> tuple[int, int, int, list[float]]:
     # eldr's own upstream client: a fraction of aiohttp's CPU per request, which the router
     # under test would otherwise lose to the load generator.
-    from stages.serve.proxy.legs.http1 import Http1Client, Timeouts, UpstreamError
+    from stages.serve.proxy.client.http1 import Http1Client, Timeouts, UpstreamError
 
     stream = workload != "plain"
     if prompts is None or not unique:

@@ -37,7 +37,7 @@ from threadpoolctl import threadpool_limits
 
 from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
 from stages.routing.policies import POLICIES
-from stages.serve.proxy.legs.decode_router import Decision, DecodeRouter
+from stages.serve.proxy.router.decode_router import Decision, DecodeRouter
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
 from stages.signature.transform import SignatureTransform, fit_idf
@@ -127,7 +127,7 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
     from stages.paths import BUNDLED_MODELS_DIR
     from stages.routing.policies import PrefillRequest
     from stages.serve.proxy.config import KVConfig
-    from stages.serve.proxy.legs.decode_router import KVInputs
+    from stages.serve.proxy.router.decode_router import KVInputs
     from stages.serve.proxy.view.kv_routing import KVRouting
 
     prefill_workers = max(1, args.workers // 2)

@@ -1,5 +1,5 @@
 """The proxy's upstream HTTP client: CPU per request of aiohttp's ClientSession against the lean
-HTTP/1.1 client (stages.serve.proxy.legs.http1), side by side in one run.
+HTTP/1.1 client (stages.serve.proxy.client.http1), side by side in one run.
 
 A local server in its own process (raw asyncio + httptools, keep-alive) answers what the two
 legs ask of the workers: a small JSON body (a prefill's answer, or a non-streamed decode) and an
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import httptools
 import orjson
 
-from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
+from stages.serve.proxy.client.http1 import Http1Client, Timeouts
 
 _PROMPT = orjson.dumps({
     "model": "m", "prompt": "word " * 60, "max_tokens": 1, "stream": False,

@@ -11,7 +11,7 @@ import numpy as np
 
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.kv.block_hashes import BlockHasher
-from stages.serve.proxy.legs.decode_router import NO_KV
+from stages.serve.proxy.router.decode_router import NO_KV
 from tests.fakes.worker import SIGNATURE_SHAPE
 from tests.test_kv_view import batch, stored
 from tests.test_kv_view import kv_proxy as kv_proxy  # a fixture, used by name

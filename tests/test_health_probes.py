@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from stages.serve.proxy.legs.http1 import Http1Client
-from stages.serve.proxy.legs.upstream import leg_limits
+from stages.serve.proxy.client.http1 import Http1Client
+from stages.serve.proxy.client.upstream import leg_limits
 from stages.serve.proxy.ops.health import Prober
 from stages.serve.proxy.view.workers import WorkerPool
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker

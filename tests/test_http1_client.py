@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 client of the proxy's two legs (stages.serve.proxy.legs.http1), against real
+"""The lean HTTP/1.1 client of the proxy's two legs (stages.serve.proxy.client.http1), against real
 local servers written here: each test's server is an asyncio server on 127.0.0.1 in the test's
 own loop, scripted to answer the way the test needs (framings, keep-alive, failures)."""
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from stages.serve.proxy.legs.http1 import (
+from stages.serve.proxy.client.http1 import (
     Http1Client,
     NotDelivered,
     PoolExhausted,

@@ -9,7 +9,7 @@ import pytest
 
 from stages.routing.context import RoutingContext
 from stages.routing.policies import EldrPolicy, RoutingRequest, make_policy
-from stages.serve.proxy.ops.online_refit import OnlineRefitter, align_to_current
+from stages.serve.proxy.router.online_refit import OnlineRefitter, align_to_current
 
 
 def unit_rows(x: np.ndarray) -> np.ndarray:

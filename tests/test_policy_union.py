@@ -21,7 +21,7 @@ from stages.routing.policies import (
 from stages.routing.policies.eldr_union import sampled_layers
 from stages.routing.policies.expert_load import WorkerExpertLoad
 from stages.routing.policies.union_kernels import sampled_inclusion
-from stages.serve.proxy.legs.decode_router import DecodeRouter
+from stages.serve.proxy.router.decode_router import DecodeRouter
 from stages.signature import wire
 from stages.signature.inclusion import inclusion_probabilities
 from tests.fakes.artifact import domain_artifact

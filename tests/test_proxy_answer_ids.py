@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import orjson
 import pytest
 
-from stages.serve.proxy.front.answer import Stream, Whole, for_client
+from stages.serve.proxy.legs.answer import Stream, Whole, for_client
 
 OWN = "0123456789abcdef0123456789abcdef"
 

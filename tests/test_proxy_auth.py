@@ -307,7 +307,7 @@ def test_an_exposed_proxy_without_a_key_is_refused_unless_insecure(
 
 def test_inline_cost_models_are_bounded_in_size_and_count(tmp_path: Path) -> None:
     from stages.routing.cost_model import cpu_like
-    from stages.serve.proxy.ops.admin_cost import MAX_INLINE_BYTES, MAX_INLINE_FILES, client_cost
+    from stages.serve.proxy.front.admin_cost import MAX_INLINE_BYTES, MAX_INLINE_FILES, client_cost
 
     model = cpu_like(4).to_json()
     huge = {**model, "name": "x" * MAX_INLINE_BYTES}

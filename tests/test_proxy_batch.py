@@ -20,10 +20,10 @@ import pytest
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.proxy import create_app
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.front.answer import Stream
 from stages.serve.proxy.front.batch_merge import Renames, merge_streams, merge_usage
 from stages.serve.proxy.front.batch_split import Part, split
 from stages.serve.proxy.front.request import RequestFields, prompt_key, prompts_of
+from stages.serve.proxy.legs.answer import Stream
 from stages.serve.proxy.state import ProxyState
 from stages.signature import wire
 from tests.fakes.artifact import domain_artifact

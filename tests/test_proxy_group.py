@@ -18,7 +18,7 @@ import pytest
 from stages.procs import linux
 from stages.procs.health import wait_healthy
 from stages.serve.proxy import create_app
-from stages.serve.proxy.view.peers import merge_metrics
+from stages.serve.proxy.front.peers import merge_metrics
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 from tests.test_proxy import fast_config

@@ -18,7 +18,7 @@ def test_a_request_reaches_the_worker_socket_through_six_files_without_turning_b
     assert status == 200 and walk.done
     assert len(walk.files) <= MAX_FILES_ON_PATH, walk.files
     assert walk.files[0].endswith("front/completions.py")
-    assert walk.files[-1].endswith("legs/http1.py")
+    assert walk.files[-1].endswith("client/http1.py")
     assert walk.returns == [], walk.returns
 
 

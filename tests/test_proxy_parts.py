@@ -12,8 +12,8 @@ from stages.routing.policy_config import PolicyConfig
 from stages.routing.prefill_router import PrefillRouter
 from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.front.request import PREFILL_KV_TRANSFER_PARAMS, decode_body, prefill_body
-from stages.serve.proxy.legs.decode_router import DecodeRouter
 from stages.serve.proxy.legs.sse import IncompleteEvent, is_done, whole_events
+from stages.serve.proxy.router.decode_router import DecodeRouter
 from stages.serve.proxy.view.workers import WorkerPool
 from stages.signature import wire
 from tests.fakes.artifact import domain_artifact

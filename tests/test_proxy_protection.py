@@ -12,10 +12,11 @@ import pytest
 
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
+from stages.serve.proxy.config import Ejection
+from stages.serve.proxy.errors import ProxyError
 from stages.serve.proxy.front.completions import Overloaded, admit
-from stages.serve.proxy.front.responses import ProxyError
 from stages.serve.proxy.state import build_state
-from stages.serve.proxy.view.workers import Ejection, WorkerPool
+from stages.serve.proxy.view.workers import WorkerPool
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
 from tests.test_proxy import fast_config
 

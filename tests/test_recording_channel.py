@@ -21,7 +21,7 @@ import zmq
 
 from stages.capture.batch_publisher import BatchPublisher, FinishedRequest
 from stages.serve.proxy import create_app
-from stages.serve.proxy.front.responses import ProxyError
+from stages.serve.proxy.errors import ProxyError
 from stages.serve.proxy.legs import decode as decode_leg
 from stages.serve.proxy.recording.recorder import RecordConfig
 from stages.serve.proxy.view.published_batches import PublishedBatches, follow_batches

@@ -21,9 +21,9 @@ from starlette.testclient import TestClient
 
 from stages.errors import EldrError
 from stages.serve.proxy import create_app
+from stages.serve.proxy.client.http1 import Http1Client
+from stages.serve.proxy.client.upstream import leg_limits
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.legs.http1 import Http1Client
-from stages.serve.proxy.legs.upstream import leg_limits
 from stages.serve.proxy.ops.health import Prober
 from stages.serve.proxy.ops.rejoin import RestartCounts, SelfChecks, no_restarts
 from stages.serve.proxy.ops.self_check import PROBE_PROMPT

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from stages.errors import EldrError
-from stages.serve.proxy.legs.http1 import Headers
-from stages.serve.proxy.legs.upstream import Reply
+from stages.serve.proxy.client.http1 import Headers
+from stages.serve.proxy.client.upstream import Reply
 from stages.serve.proxy.ops import self_check
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity

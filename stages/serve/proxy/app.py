@@ -27,17 +27,17 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from threadpoolctl import threadpool_limits
 
+from stages.serve.proxy.client.upstream import open_control_client, open_leg_client
 from stages.serve.proxy.config import ProxyConfig
+from stages.serve.proxy.front import admin, endpoints
 from stages.serve.proxy.front.auth import auth_middleware
 from stages.serve.proxy.front.completions import chat_completions, completions
 from stages.serve.proxy.front.responses import SERVER_SEND, InternalErrorMiddleware, http_error
-from stages.serve.proxy.legs.upstream import open_control_client, open_leg_client
-from stages.serve.proxy.ops import admin, endpoints
-from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.ops.health import health_loop
-from stages.serve.proxy.ops.online_refit import FitFn, balanced_fit
-from stages.serve.proxy.ops.refit_task import refit_loop
 from stages.serve.proxy.ops.rejoin import RestartCounts, no_restarts
+from stages.serve.proxy.router.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.proxy.router.online_refit import FitFn, balanced_fit
+from stages.serve.proxy.router.refit_task import refit_loop
 from stages.serve.proxy.state import ProxyState, build_state
 from stages.serve.proxy.view.kv_events import KVEventSource, follow_kv_events
 from stages.serve.proxy.view.published_batches import follow_batches

@@ -10,10 +10,24 @@ from stages.errors import EldrError
 from stages.routing.policies import POLICIES, reads_signatures
 from stages.routing.policy_config import PolicyConfig
 from stages.serve.proxy.recording.recorder import RecordConfig
-from stages.serve.proxy.view.workers import Ejection
 
 if TYPE_CHECKING:
     from stages.signature.dataset import ModelIdentity
+
+
+@dataclass(frozen=True)
+class Ejection:
+    """When a worker that keeps failing requests leaves rotation, and for how long
+    (``view.workers.WorkerPool``)."""
+
+    after_failures: int = 5  # request failures in a row (5xx, KV-load errors, resets)
+    base_s: float = 10.0
+    max_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.after_failures < 1 or not 0 < self.base_s <= self.max_s:
+            raise EldrError(f"outlier ejection needs after_failures >= 1 and 0 < base_s <="
+                            f" max_s, got {self}")
 
 
 @dataclass(frozen=True)
@@ -106,7 +120,7 @@ class ProxyConfig:
     # The address the proxy listens on: with no admin key, /admin is open on loopback only.
     host: str = "127.0.0.1"
     # Other proxies in front of the same workers (each one process, as its base URL): admin
-    # changes made here reach them, and /metrics here includes theirs (proxy.view.peers).
+    # changes made here reach them, and /metrics here includes theirs (proxy.front.peers).
     peers: tuple[str, ...] = ()
     # This proxy's name among its peers: the `proxy` label of the merged /metrics.
     proxy_id: str = "0"

@@ -4,7 +4,7 @@ One Python process relays about one core's worth of requests and tokens; a clust
 more gets more processes. This process binds N listening sockets on the port with
 ``SO_REUSEPORT``, so the kernel spreads new connections over them, and a private loopback
 socket per process, through which the processes reach each other as peers (admin changes,
-merged ``/metrics``: ``stages.serve.proxy.view.peers``). Every socket is bound here, before any
+merged ``/metrics``: ``stages.serve.proxy.front.peers``). Every socket is bound here, before any
 process starts, so a port in use fails at once and no connection is ever refused while a
 process starts: the kernel queues it on its socket until that process accepts.
 

@@ -9,15 +9,15 @@ from stages.errors import EldrError
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.policies import needs_centroids
 from stages.routing.prefill_router import PrefillRouter
+from stages.serve.proxy.client.http1 import Http1Client, Timeouts
+from stages.serve.proxy.client.upstream import leg_limits
 from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.legs.decode_router import DecodeRouter
-from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
-from stages.serve.proxy.legs.upstream import leg_limits
-from stages.serve.proxy.ops.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.ops.metrics import ProxyMetrics
-from stages.serve.proxy.ops.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.proxy.ops.rejoin import RestartCounts, SelfChecks, no_restarts
 from stages.serve.proxy.recording.recorder import TrafficRecorder
+from stages.serve.proxy.router.artifact_source import ArtifactLoader, load_from_store
+from stages.serve.proxy.router.decode_router import DecodeRouter
+from stages.serve.proxy.router.online_refit import FitFn, OnlineRefitter, balanced_fit
 from stages.serve.proxy.view.kv_routing import KVRouting
 from stages.serve.proxy.view.published_batches import PublishedBatches
 from stages.serve.proxy.view.workers import WorkerPool

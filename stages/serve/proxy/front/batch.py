@@ -18,10 +18,10 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from stages.serve.proxy.front.answer import Answer, Stream, Whole
 from stages.serve.proxy.front.batch_merge import Renames, merge_streams, merge_wholes
 from stages.serve.proxy.front.batch_split import Part
-from stages.serve.proxy.front.request import RequestContext
+from stages.serve.proxy.legs.answer import Answer, Stream, Whole
+from stages.serve.proxy.legs.context import RequestContext
 from stages.serve.proxy.legs.decode import hand_off, run_decode
 from stages.serve.proxy.legs.prefill import run_prefill
 

@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 import orjson
 
-from stages.serve.proxy.front.answer import Stream, Whole
+from stages.serve.proxy.errors import ProxyError
 from stages.serve.proxy.front.batch_split import Part
-from stages.serve.proxy.front.responses import ProxyError
+from stages.serve.proxy.legs.answer import Stream, Whole
 from stages.serve.proxy.legs.sse import DONE_EVENT, error_event
 
 _SEP = b"\n\n"

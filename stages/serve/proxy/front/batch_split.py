@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
+from stages.serve.proxy.errors import ProxyError
 from stages.serve.proxy.front.request import RequestFields, bad_request, lax_int, prompts_of
-from stages.serve.proxy.front.responses import ProxyError
 
 
 @dataclass(frozen=True)

@@ -26,20 +26,21 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from stages.serve.proxy.front.answer import Answer, Whole, for_client
+from stages.serve.proxy.client.http1 import PoolExhausted
+from stages.serve.proxy.errors import ProxyError, UpstreamClientError
 from stages.serve.proxy.front.batch import serve_batch
 from stages.serve.proxy.front.batch_split import split
 from stages.serve.proxy.front.request import (
     JsonBody,
-    RequestContext,
     RequestFields,
     check_request_body,
     read_body,
     request_context,
 )
-from stages.serve.proxy.front.responses import SERVER_SEND, ProxyError, UpstreamClientError
+from stages.serve.proxy.front.responses import SERVER_SEND
+from stages.serve.proxy.legs.answer import Answer, Whole, for_client
+from stages.serve.proxy.legs.context import RequestContext
 from stages.serve.proxy.legs.decode import choose_at_arrival, hand_off, run_decode, run_local
-from stages.serve.proxy.legs.http1 import PoolExhausted
 from stages.serve.proxy.legs.prefill import run_prefill
 from stages.serve.proxy.state import ProxyState
 

@@ -15,9 +15,8 @@ client's own request plus those params, unchanged except that the signature is l
 request: a decode retry needs the same prefill again, and the decode body only waits for the
 hand-off.
 
-The context: everything a request's path needs travels in one frozen ``RequestContext``, made
-when the body has been read and checked, so the legs take the request and not a list of its
-parts.
+The context: everything a request's path needs travels in one frozen ``RequestContext``
+(``legs.context``, the legs' own type), made here when the body has been read and checked.
 """
 
 from __future__ import annotations
@@ -27,17 +26,17 @@ import math
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 
 from stages.capture.batch_publisher import RECORD_KEY, REQUEST_TAG
-from stages.serve.proxy.front.responses import ProxyError
+from stages.serve.proxy.errors import ProxyError
+from stages.serve.proxy.legs.context import Admitted, RequestContext
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.view.kv_routing import Prompt
 from stages.signature import wire
 
 # pydantic's lax str -> bool words (case-insensitive, not stripped).
@@ -475,51 +474,11 @@ def _key_bytes(value: object) -> bytes:
 
 # -- the context ----------------------------------------------------------------------------------
 
-class Admitted(Protocol):
-    """A request let in that holds no worker lease yet (``completions.Admission``)."""
-
-    def settle(self) -> None: ...
-
-
 # Client headers worth carrying to the workers. Not Authorization: the client's key is the
 # proxy's to check, and workers get the proxy's own key (upstream.worker_headers).
 _FORWARDED = ("traceparent", "tracestate")
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-
-
-@dataclass(frozen=True)
-class RequestContext:
-    state: ProxyState
-    path: str  # the route, the same on the workers (/v1/completions, /v1/chat/completions)
-    chat: bool
-    # What the workers see as X-Request-Id: eldr's own id, a sub-request's or a retry's (NIXL
-    # tracks hand-offs by request id, so no two legs in flight may share one), never the
-    # client's, which only the reply carries (two clients may send the same).
-    request_id: str
-    legs: Legs
-    headers: Mapping[str, str]  # for the workers
-    reply_headers: Mapping[str, str]  # for the client: the client request's own id
-    arrived: float  # time.monotonic() when the client request came in
-    # Settled as the legs start (they lease a worker before they first wait), from then on the
-    # lease counts the request.
-    admission: Admitted
-    # The prompt as the workers' KV block hashes (KV-aware routing); None: not known.
-    prompt: Prompt | None = None
-
-    @property
-    def stream(self) -> bool:
-        return self.legs.stream
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.arrived
-
-    def with_request_id(self, request_id: str) -> RequestContext:
-        return replace(
-            self,
-            request_id=request_id,
-            headers=MappingProxyType({**self.headers, "X-Request-Id": request_id}),
-        )
 
 
 def request_context(

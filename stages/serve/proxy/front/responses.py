@@ -1,15 +1,13 @@
-"""Error responses in the OpenAI shape.
+"""Responses in the OpenAI shape beyond a handler's own errors.
 
-Every error the proxy itself answers has vLLM's ``ErrorResponse`` shape,
-``{"error": {"message", "type", "param", "code"}}``, whatever route or layer produced it:
-handlers (``ProxyError``), the router's 404/405 (``http_error``) and unexpected exceptions
-(``InternalErrorMiddleware``).
+Every error the proxy itself answers has vLLM's ``ErrorResponse`` shape, whatever route or
+layer produced it: handlers (``errors.ProxyError``), the router's 404/405 (``http_error``) and
+unexpected exceptions (``InternalErrorMiddleware``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from http import HTTPStatus
 
 import orjson
@@ -18,53 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stages.serve.proxy.errors import json_error
+
 log = logging.getLogger(__name__)
-
-
-class ProxyError(Exception):
-    """A request failure with the HTTP status and metric kind it maps to.
-
-    ``param`` names the offending request field, as vLLM's ``ErrorInfo.param`` does.
-    """
-
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
-
-    def response(self, headers: Mapping[str, str] | None = None) -> Response:
-        return json_error(self.status, self.message, self.kind, headers, param=self.param)
-
-
-class UpstreamClientError(Exception):
-    """A worker rejected the request itself (4xx): the client gets that answer unchanged."""
-
-    def __init__(self, status: int, content: bytes, content_type: str | None) -> None:
-        super().__init__(f"upstream answered {status}")
-        self.status = status
-        self.content = content
-        self.content_type = content_type or "application/json"
-
-    def response(self, headers: Mapping[str, str]) -> Response:
-        return Response(
-            self.content, status_code=self.status, media_type=self.content_type, headers=headers
-        )
-
-
-def json_error(
-    status: int,
-    message: str,
-    kind: str,
-    headers: Mapping[str, str] | None = None,
-    *,
-    param: str | None = None,
-) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return Response(
-        orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
-    )
 
 
 def _kind_of(status: int) -> str:

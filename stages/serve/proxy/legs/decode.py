@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
-from stages.serve.proxy.front.answer import Answer, Stream, Whole
-from stages.serve.proxy.front.request import RequestContext
-from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
-from stages.serve.proxy.legs.decode_router import NO_KV, Decision, Features, KVInputs
-from stages.serve.proxy.legs.http1 import Response
+from stages.serve.proxy.client.http1 import Response
+from stages.serve.proxy.client.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, start_at_connection
+from stages.serve.proxy.errors import ProxyError, UpstreamClientError
+from stages.serve.proxy.legs.answer import Answer, Stream, Whole
+from stages.serve.proxy.legs.context import RequestContext
 from stages.serve.proxy.legs.prefill import prefill_request, run_prefill
 from stages.serve.proxy.legs.sse import (
     DONE_EVENT,
@@ -35,7 +35,7 @@ from stages.serve.proxy.legs.sse import (
     is_done,
     whole_events,
 )
-from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, start_at_connection
+from stages.serve.proxy.router.decode_router import NO_KV, Decision, Features, KVInputs
 from stages.serve.proxy.state import ProxyState
 from stages.serve.proxy.view.workers import Lease
 

@@ -8,9 +8,9 @@ import numpy as np
 import orjson
 
 from stages.routing.policies import PrefillRequest
-from stages.serve.proxy.front.request import RequestContext
-from stages.serve.proxy.front.responses import ProxyError, UpstreamClientError
-from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, fetch
+from stages.serve.proxy.client.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, fetch
+from stages.serve.proxy.errors import ProxyError, UpstreamClientError
+from stages.serve.proxy.legs.context import RequestContext
 from stages.serve.proxy.state import ProxyState
 
 

@@ -1,1 +1,1 @@
-"""Operations: admin endpoints, health and self-checks, metrics, refits."""
+"""Operations: health probes and self-checks, metrics."""

@@ -15,8 +15,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
-from stages.serve.proxy.legs.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, fetch
+from stages.serve.proxy.client.http1 import Http1Client, Timeouts
+from stages.serve.proxy.client.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, fetch
 from stages.serve.proxy.ops.rejoin import SelfChecks
 from stages.serve.proxy.view.workers import WorkerPool
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from stages.errors import EldrError
-from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
+from stages.serve.proxy.client.http1 import Http1Client, Timeouts
 from stages.serve.proxy.ops.self_check import (
     check_records_signatures_async,
     read_served_name_async,

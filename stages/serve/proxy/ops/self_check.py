@@ -25,8 +25,8 @@ import orjson
 
 from stages.errors import EldrError
 from stages.models import check_built_layers
-from stages.serve.proxy.legs.http1 import Http1Client, Timeouts
-from stages.serve.proxy.legs.upstream import (
+from stages.serve.proxy.client.http1 import Http1Client, Timeouts
+from stages.serve.proxy.client.upstream import (
     KEEPALIVE_S,
     UPSTREAM_ERRORS,
     Reply,

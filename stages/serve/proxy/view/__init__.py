@@ -1,1 +1,1 @@
-"""The view of the workers: their loads, the KV and expert events they publish, the peers."""
+"""The view of the workers: their loads, the KV and expert events they publish, their batches."""

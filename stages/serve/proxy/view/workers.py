@@ -22,22 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stages.errors import EldrError
+from stages.serve.proxy.config import Ejection
 from stages.serve.proxy.view.published_batches import PublishedBatches
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Ejection:
-    after_failures: int = 5  # request failures in a row (5xx, KV-load errors, resets)
-    base_s: float = 10.0
-    max_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.after_failures < 1 or not 0 < self.base_s <= self.max_s:
-            raise EldrError(f"outlier ejection needs after_failures >= 1 and 0 < base_s <="
-                            f" max_s, got {self}")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 
-from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS, fetch, leg_limits
+from stages.serve.proxy.client.upstream import UPSTREAM_ERRORS, fetch, leg_limits
 from stages.serve.proxy.state import ProxyState
 
 PEER_HEADER = "X-Eldr-Peer"

@@ -29,8 +29,8 @@ from stages.routing.policies import (
 )
 from stages.routing.policies.cluster_map import remap_for_healthy, spread_clusters
 from stages.routing.policy_config import PolicyConfig
-from stages.serve.proxy.ops.artifact_source import ArtifactLike
-from stages.serve.proxy.ops.online_refit import OnlineRefitter, RefitResult
+from stages.serve.proxy.router.artifact_source import ArtifactLike
+from stages.serve.proxy.router.online_refit import OnlineRefitter, RefitResult
 from stages.signature import wire
 
 # What a peer's request hands a policy's ``on_dispatch``: it was not routed here, so no loads.

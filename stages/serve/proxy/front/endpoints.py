@@ -6,10 +6,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from stages.serve.proxy.front.responses import json_error, json_response
-from stages.serve.proxy.legs.upstream import UPSTREAM_ERRORS, fetch
+from stages.serve.proxy.client.upstream import UPSTREAM_ERRORS, fetch
+from stages.serve.proxy.errors import json_error
+from stages.serve.proxy.front.peers import metrics_headers, metrics_of_all
+from stages.serve.proxy.front.responses import json_response
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.view.peers import metrics_headers, metrics_of_all
 
 
 async def models(request: Request) -> Response:

@@ -21,11 +21,12 @@ from stages.errors import EldrError
 from stages.routing.params import ParamError
 from stages.routing.policies import POLICIES
 from stages.serve.proxy.config import check_unchecked_policy
+from stages.serve.proxy.errors import ProxyError, json_error
+from stages.serve.proxy.front.admin_cost import client_cost
+from stages.serve.proxy.front.peers import tell_peers
 from stages.serve.proxy.front.request import bad_request, read_json_body
-from stages.serve.proxy.front.responses import ProxyError, json_error, json_response
-from stages.serve.proxy.ops.admin_cost import client_cost
+from stages.serve.proxy.front.responses import json_response
 from stages.serve.proxy.state import ProxyState
-from stages.serve.proxy.view.peers import tell_peers
 from stages.serve.proxy.view.workers import WorkerView
 
 log = logging.getLogger(__name__)

@@ -13,14 +13,14 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from stages.serve.proxy.config import ProxyConfig
-from stages.serve.proxy.legs.http1 import (
+from stages.serve.proxy.client.http1 import (
     Headers,
     Http1Client,
     NotDelivered,
     Timeouts,
     UpstreamError,
 )
+from stages.serve.proxy.config import ProxyConfig
 
 # Raised before the request left the proxy (refused, unreachable, no connection in time): the
 # worker never saw it.

@@ -6,8 +6,8 @@ import asyncio
 import logging
 import time
 
-from stages.serve.proxy.legs.decode_router import DecodeRouter
 from stages.serve.proxy.ops.metrics import ProxyMetrics
+from stages.serve.proxy.router.decode_router import DecodeRouter
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The decode-routing brain: the policy, the artifact it reads, its online refits."""
