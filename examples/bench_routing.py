@@ -163,7 +163,8 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
                                                        // 10)}
             body = {"messages": [*histories[i % len(histories)], new], "max_tokens": 64}
         elif case == "shared":
-            body = {"prompt": prompts[i % len(prompts)] + f" {i}", "max_tokens": 64}
+            body = {"prompt": f"{system} {i} {prompts[i % len(prompts)][len(system):]}",
+                    "max_tokens": 64}
         else:
             body = {"prompt": f"{i} " + prompts[i % len(prompts)], "max_tokens": 64}
         t0 = clock()
@@ -176,10 +177,13 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
         inputs = KVInputs(prompt.tokens, kv.decode.cached_tokens(prompt.reusable), 64)
         decision = router.choose(features, loads, eligible, inputs)
         t1 = clock()
-        held = kv.prompt(body, chat=chat, all_ids=True)  # what the workers' events tell
-        assert held is not None
-        kv.prefill.index.stored(prefill, held.hashes)
-        kv.decode.index.stored(decision.worker, held.hashes)
+        # What the workers' events tell, from the tokenizer alone: the proxy learns nothing
+        # of a prompt here that its own decision did not compute.
+        ids = kv.tokenizer.ids(kv.tokenizer.render(body, chat))
+        assert ids is not None
+        held = kv.hasher.hashes(ids, block, None)
+        kv.prefill.index.stored(prefill, held)
+        kv.decode.index.stored(decision.worker, held)
         loads[decision.worker] += 1
         running.append(decision)
         if len(running) > args.workers * args.in_flight:

@@ -41,9 +41,10 @@ def test_a_prompt_nobody_holds_is_not_encoded_past_its_head(kv, monkeypatch) -> 
     text = "The committee reviewed the annual report on water quality. " * 40
     whole = kv.tokenizer.completion({"prompt": text})
     encoded: list[str] = []
-    pieces = kv.tokenizer._pieces
-    original = pieces.encode
-    monkeypatch.setattr(pieces, "encode", lambda t: encoded.append(t) or original(t))
+    for encoder in (kv.tokenizer._pieces, kv.texts):
+        original = encoder.encode
+        monkeypatch.setattr(encoder, "encode",
+                            lambda t, original=original: encoded.append(t) or original(t))
     prompt = kv.prompt({"prompt": text}, chat=False)
     assert prompt is not None and prompt.hashes == [] and not encoded
     assert abs(prompt.tokens - len(whole)) <= 0.1 * len(whole)  # estimated from the head

@@ -47,6 +47,11 @@ class PromptTokenizer:
             == list(self._tok.encode(t, add_special_tokens=False)) for t in _BACKEND_SAMPLES
         ) else None
 
+    @property
+    def backend(self) -> Any | None:
+        """The Rust tokenizer, where it encodes as the tokenizer does; else None."""
+        return self._backend
+
     def completion(self, body: dict[str, Any]) -> list[int] | None:
         return self.ids(self.render(body, chat=False))
 

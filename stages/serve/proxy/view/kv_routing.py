@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stages.routing.kv.block_hashes import BlockHasher
+from stages.routing.kv.known_texts import Encoded, KnownTexts
 from stages.routing.kv.prompt_tokens import PromptTokenizer, Rendered
 from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_events import KVEventSource, KVView
@@ -48,6 +49,8 @@ class KVRouting:
         # its queue, in the currency of prefill time.
         self.prefill_queued = np.zeros(len(config.prefill_events), dtype=np.int64)
         self._first_blocks: OrderedDict[tuple[Any, ...], tuple[int, int]] = OrderedDict()
+        backend = self.tokenizer.backend
+        self.texts = None if backend is None else KnownTexts(backend)
 
     def sources(self, role: str) -> list[KVEventSource | None]:
         events = self.config.prefill_events if role == "prefill" else self.config.decode_events
@@ -75,12 +78,71 @@ class KVRouting:
         chars = HEAD_CHARS_PER_TOKEN * block_size
         if not all_ids and text is not None and len(text) > 2 * chars:
             first = self._first_block(rendered, text[:chars], block_size, salt)
-            if first is not None and not (self.prefill.index.held_anywhere(first[0])
-                                          or self.decode.index.held_anywhere(first[0])):
+            if first is not None and not self._held_anywhere(first[0]):
                 return Prompt(round(first[1] * len(text) / chars), [], block_size)
+        if (not chat and text is not None and not rendered.whole and not rendered.after
+                and self.texts is not None and self.texts.enabled):
+            return self._completion((text[:chars], rendered.before, salt, block_size), text,
+                                    list(rendered.before), block_size, salt, all_ids)
         ids = self.tokenizer.ids(rendered)
         if ids is None:
             return None
+        return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size, ids)
+
+    def _held_anywhere(self, block_hash: int) -> bool:
+        return (self.prefill.index.held_anywhere(block_hash)
+                or self.decode.index.held_anywhere(block_hash))
+
+    def _completion(self, key: tuple[Any, ...], text: str, before: list[int], block_size: int,
+                    salt: str | None, all_ids: bool) -> Prompt:
+        """A completion prompt matched from the longest text it shares with one encoded
+        before (``KnownTexts``): nothing is encoded while the blocks it already knows show
+        that the workers' caches end within them; else the rest is encoded from there, first
+        only a head (its next block unheld: done), then all."""
+        assert self.texts is not None
+        texts = self.texts
+        reuse = texts.reuse(key, text)
+        if reuse is None:
+            return self._whole(key, text, before, block_size, salt)
+        old = reuse.old
+        known = len(before) + reuse.tokens
+        hashes = self.hasher.hashes([*before, *old.ids[:reuse.tokens]], block_size, salt)
+        if reuse.tokens == len(old.ids) and old.chars == len(text):  # the same text again
+            return Prompt(known, hashes, block_size, [*before, *old.ids])
+        per_char = len(old.ids) / max(1, old.chars)
+        if not all_ids and hashes and not self._held_anywhere(hashes[-1]):
+            # The workers' caches end within the known blocks: the rest is only counted.
+            known_chars = old.starts[reuse.tokens] if reuse.tokens < len(old.ids) else old.chars
+            return Prompt(known + round((len(text) - known_chars) * per_char), hashes,
+                          block_size)
+        end = reuse.restart_char + HEAD_CHARS_PER_TOKEN * block_size
+        if not all_ids and end < len(text):
+            head = texts.rest(reuse, text, end)
+            if head is None:
+                return self._whole(key, text, before, block_size, salt)
+            trusted = [*before, *old.ids[:reuse.restart], *head.ids[:-HEAD_MARGIN_TOKENS]]
+            hashes = self.hasher.hashes(trusted, block_size, salt)
+            following = len(before) + reuse.tokens
+            if len(hashes) * block_size > following and not self._held_anywhere(
+                    hashes[following // block_size]):
+                return Prompt(len(trusted) + round((len(text) - end) * per_char)
+                              + HEAD_MARGIN_TOKENS, hashes, block_size)
+        rest = texts.rest(reuse, text)
+        if rest is None:
+            return self._whole(key, text, before, block_size, salt)
+        encoded = old.joined(reuse.restart, rest, reuse.restart_char)
+        if not texts.verify(text, encoded.ids):
+            return self._whole(key, text, before, block_size, salt)
+        texts.remember(key, text, encoded)
+        ids = [*before, *encoded.ids]
+        return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size, ids)
+
+    def _whole(self, key: tuple[Any, ...], text: str, before: list[int], block_size: int,
+               salt: str | None) -> Prompt:
+        assert self.texts is not None
+        encoded: Encoded = self.texts.encode(text)
+        self.texts.remember(key, text, encoded)
+        ids = [*before, *encoded.ids]
         return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size, ids)
 
     def _first_block(self, rendered: Rendered, head_text: str, block_size: int,
