@@ -110,6 +110,7 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_report: StepReport | None = None
         self._stats = EldrConnectorStats()
         self._reported_failure = False  # logged once per engine, counted every time
+        self._reported_unknown = False
         self._reported_hash_size = False
         self._publisher: BatchPublisher | None = None
         self._expert_publisher: ExpertEventPublisher | None = None
@@ -197,12 +198,19 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         if self._ledger is None:
             return
-        if num_external_tokens > 0:
-            self._ledger.mark_remote(request.request_id)
+        # Inside vLLM's MultiConnector this connector is told no external tokens even when
+        # NixlConnector loads the prompt: its request parameters say so (this connector is
+        # listed first, so it reads them before NixlConnector clears do_remote_prefill).
+        params = request.kv_transfer_params or {}
+        remote = num_external_tokens > 0 or bool(params.get("do_remote_prefill"))
+        # The blocks that are no prefix-cache hit: any of them a connector fills holds KV this
+        # engine did not compute, whose row in the worker's table is not its counts.
+        new_blocks = blocks.get_unhashed_block_ids_all_groups()[self._ledger.group]
+        self._ledger.admitted(request.request_id, new_blocks, remote)
         if self._expert_publisher is not None:
-            self._track_hashes(request, num_external_tokens)
+            self._track_hashes(request, remote)
 
-    def _track_hashes(self, request: Request, num_external_tokens: int) -> None:
+    def _track_hashes(self, request: Request, remote: bool) -> None:
         assert self._ledger is not None
         block_size = self._ledger.block_size
         if len(request.block_hashes) != request.num_tokens // block_size:
@@ -215,10 +223,6 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
                     " blocks of %d (prefix caching off, or a hybrid model's KV groups)",
                     len(request.block_hashes), request.num_tokens, block_size)
             return
-        # Inside vLLM's MultiConnector this connector is told no external tokens even when
-        # NixlConnector loads the prompt: its request parameters say so.
-        params = request.kv_transfer_params or {}
-        remote = num_external_tokens > 0 or bool(params.get("do_remote_prefill"))
         self._ledger.track_hashes(request.request_id, request.block_hashes,
                                   request.num_prompt_tokens if remote else 0)
 
@@ -244,6 +248,7 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
         if report is not None and report.decode_steps:
             self._stats.add(report)
         zero = self._ledger.zero_signatures - zero_before
+        self._count_unknown()
         unrecorded = report.unrecorded_steps if report is not None else 0
         if zero or unrecorded:
             self._stats.add_failures(zero, unrecorded)
@@ -256,6 +261,26 @@ class EldrSignatureConnector(KVConnectorBase_V1, SupportsHMA):
                     " eldr_zero_signatures_total and eldr_unrecorded_steps_total.",
                     zero, unrecorded,
                 )
+
+    def _count_unknown(self) -> None:
+        """Signatures and expert events left out because they would read rows of blocks whose
+        KV another engine computed (stages.capture.ledger): expected on a decode worker that
+        prefills some requests itself, so counted and told once, not an error."""
+        assert self._ledger is not None
+        signatures, blocks = self._ledger.unknown_signatures, self._ledger.unknown_blocks
+        if not signatures and not blocks:
+            return
+        self._ledger.unknown_signatures = self._ledger.unknown_blocks = 0
+        self._stats.add_unknown(signatures, blocks)
+        if not self._reported_unknown:
+            self._reported_unknown = True
+            logger.info(
+                "eldr: %d prompt signatures and %d expert events are unknown here: they would"
+                " read KV blocks another engine computed (loaded through the KV connector),"
+                " whose expert ids this engine never saw. They are left out; counted in"
+                " eldr_unknown_signatures_total and eldr_unknown_block_events_total.",
+                signatures, blocks,
+            )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

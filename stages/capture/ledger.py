@@ -9,6 +9,12 @@ frees finished requests first, then calls ``update_connector_output``), so a pre
 request (``max_tokens=1``, the PD case) finishes before its signature arrives. The ledger hands
 vLLM a dict it keeps a reference to and fills it when the report lands, still inside the same
 ``update_from_output`` call, before the engine serialises the outputs.
+
+A row of the worker's table holds a block's counts only if this engine computed the block from
+its slot 0 (the worker resets a row there). A block whose KV a connector loaded (NixlConnector
+pulling a prompt from a prefill worker) keeps the counts of its previous occupant, or zeros; the
+ledger calls such blocks foreign until this engine computes their slot 0 again, and a signature
+or an expert event that would read a foreign row is unknown: left out and counted, never sent.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class _Tracked:
     block_ids: list[int]
     computed: int  # tokens computed once this step's forward is done
     remote: bool = False  # KV came from another instance: our table never saw its prompt
+    unknown: bool = False  # its prompt holds a foreign block: no signature to give
     # The name a proxy asked for its decode counts under (RECORD_KEY), remote or not.
     record_as: str | None = None
     output_tokens: int = 0
@@ -58,6 +65,14 @@ class SignatureLedger:
         self.moe_layers: tuple[int, ...] = ()  # as the worker built them, once it reported
         # Prompts whose signature came back empty: the recording hook did not run for them.
         self.zero_signatures = 0
+        # Blocks whose rows do not count their tokens: a connector loaded their KV and this
+        # engine has not computed their slot 0 since (see the module's docstring).
+        self._foreign: set[int] = set()
+        # req_id -> the signature group's blocks allocated at admission (not prefix-cache hits)
+        self._admitted: dict[str, list[int]] = {}
+        # Prompts and full blocks that would have read a foreign row: unknown, not sent.
+        self.unknown_signatures = 0
+        self.unknown_blocks = 0
         # Expert events: each request's block hashes (vLLM's own list, which it extends as
         # tokens arrive), and the counts of blocks that became full, until published.
         self.publish_blocks = publish_blocks
@@ -71,11 +86,26 @@ class SignatureLedger:
         ``remote_prompt_len``: prompt tokens whose KV another engine computed (a decode worker's
         request): the table never saw them, so no block holding one is published."""
         if self.publish_blocks:
-            self._hashes[req_id] = (block_hashes, -(-remote_prompt_len // self.block_size))
+            first_whole = -(-remote_prompt_len // self.block_size)
+            known = self._hashes.get(req_id)
+            # vLLM admits a request whose KV it loads twice (before and after the load), and
+            # NixlConnector clears do_remote_prefill in between: the first call's length stays.
+            if known is not None:
+                first_whole = max(first_whole, known[1])
+            self._hashes[req_id] = (block_hashes, first_whole)
 
     def mark_remote(self, req_id: str) -> None:
         """The request's KV arrives from a prefill instance; there is nothing to sum here."""
         self._remote.add(req_id)
+
+    def admitted(self, req_id: str, new_blocks: list[int], remote: bool) -> None:
+        """vLLM allocated the request's blocks: ``new_blocks`` are those that were not prefix-cache
+        hits. Those of them below the tokens vLLM counts as computed when it schedules the
+        request were filled by a connector, not by this engine (see :meth:`plan`). Only the
+        first call of a request counts: after a load, the loaded blocks are cached ones."""
+        if remote:
+            self.mark_remote(req_id)
+        self._admitted.setdefault(req_id, new_blocks)
 
     def mark_record(self, req_id: str, name: str) -> None:
         """Count the request's decode tokens per expert and hand them over under ``name`` when
@@ -91,6 +121,8 @@ class SignatureLedger:
             remote.discard(req_id)
             record.pop(req_id, None)
             self._hashes.pop(req_id, None)
+            self._admitted.pop(req_id, None)
+        self._mark_loaded(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             prompt_len = len(new.prompt_token_ids or ())
             tracked = _Tracked(
@@ -122,6 +154,25 @@ class SignatureLedger:
         )
         return plan
 
+    def _mark_loaded(self, scheduler_output: Any) -> None:
+        """Blocks of the requests starting (or restarting) in this step that were allocated new
+        yet hold tokens vLLM counts as computed: a connector loaded them. Marked for every
+        request before any is planned: a request scheduled later in the same step may hit them."""
+        cached = scheduler_output.scheduled_cached_reqs
+        starting = [(new.req_id, list(new.block_ids[self.group]), new.num_computed_tokens)
+                    for new in scheduler_output.scheduled_new_reqs]
+        starting += [(req_id, list(cached.new_block_ids[i][self.group])
+                      if cached.new_block_ids[i] else [], cached.num_computed_tokens[i])
+                     for i, req_id in enumerate(cached.req_ids)
+                     if req_id in cached.resumed_req_ids]
+        for req_id, block_ids, computed in starting:
+            new_blocks = self._admitted.pop(req_id, None)
+            if not new_blocks or not computed:
+                continue
+            # Block i's slot 0 is position i * block_size: below ``computed``, not run here.
+            below = set(block_ids[: -(-computed // self.block_size)])
+            self._foreign.update(below.intersection(new_blocks))
+
     def _plan_request(
         self, plan: StepPlan, req_id: str, tracked: _Tracked, num_tokens: int, first: bool
     ) -> None:
@@ -130,20 +181,30 @@ class SignatureLedger:
         tracked.computed = end
         if num_tokens == 0:
             return
+        if self._foreign:
+            # The worker resets the row of every block whose slot 0 this step computes.
+            bs = self.block_size
+            self._foreign.difference_update(
+                tracked.block_ids[i] for i in range(-(-start // bs), -(-end // bs)))
         decode_start = max(start, tracked.prompt_len)
         if (self.count_decode or tracked.record_as is not None) and decode_start < end:
             plan.decode_slots[req_id] = [self._slot(tracked, p) for p in range(decode_start, end)]
         if self.publish_blocks:
             self._plan_blocks(plan, req_id, tracked, start, end)
-        if tracked.remote:
-            return
         if first and start % self.block_size:
-            # vLLM recomputes the last prompt token of a full prefix hit into its cached block.
+            # vLLM recomputes the last prompt token of a full prefix hit (or of a loaded prompt)
+            # into its cached block: its KV, and its row's counts, are there already.
             boundary = min(end, (start // self.block_size + 1) * self.block_size)
             plan.skip_slots.extend(self._slot(tracked, p) for p in range(start, boundary))
-        if tracked.signature is None and start < tracked.prompt_len <= end:
-            num_blocks = -(-tracked.prompt_len // self.block_size)
-            plan.snapshots[req_id] = tracked.block_ids[:num_blocks]
+        if tracked.remote:
+            return
+        if tracked.signature is None and not tracked.unknown and start < tracked.prompt_len <= end:
+            blocks = tracked.block_ids[: -(-tracked.prompt_len // self.block_size)]
+            if self._foreign.isdisjoint(blocks):
+                plan.snapshots[req_id] = blocks
+            else:
+                tracked.unknown = True
+                self.unknown_signatures += 1
 
     def _plan_blocks(
         self, plan: StepPlan, req_id: str, tracked: _Tracked, start: int, end: int
@@ -161,6 +222,9 @@ class SignatureLedger:
         # under async scheduling) is left out rather than guessed.
         last = min(end // self.block_size, len(hashes), len(tracked.block_ids))
         for i in range(first, last):
+            if tracked.block_ids[i] in self._foreign:
+                self.unknown_blocks += 1  # its row is not its tokens' counts
+                continue
             plan.block_snapshots[external_hash(hashes[i])] = tracked.block_ids[i]
 
     def _slot(self, tracked: _Tracked, position: int) -> int:
@@ -203,6 +267,7 @@ class SignatureLedger:
         """The ``kv_transfer_params`` to return for a finishing request (filled now or soon)."""
         tracked = self._requests.pop(req_id, None)
         self._hashes.pop(req_id, None)
+        self._admitted.pop(req_id, None)
         self._record.pop(req_id, None)  # finished (aborted) before it was ever scheduled
         params: dict[str, Any] = {}
         if tracked is not None and tracked.record_as is not None:

@@ -20,7 +20,7 @@ from stages.capture.messages import StepReport
 
 _FIELDS = (
     "decode_steps", "active_experts", "decode_seconds", "decode_tokens", "num_layers",
-    "zero_signatures", "unrecorded_steps",
+    "zero_signatures", "unrecorded_steps", "unknown_signatures", "unknown_blocks",
 )
 
 
@@ -31,6 +31,10 @@ class EldrConnectorStats(KVConnectorStats):
     def add_failures(self, zero_signatures: int, unrecorded_steps: int) -> None:
         self.data["zero_signatures"] += zero_signatures
         self.data["unrecorded_steps"] += unrecorded_steps
+
+    def add_unknown(self, signatures: int, blocks: int) -> None:
+        self.data["unknown_signatures"] += signatures
+        self.data["unknown_blocks"] += blocks
 
     def add(self, report: StepReport) -> None:
         assert report.active_experts is not None
@@ -65,7 +69,8 @@ class EldrConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(
             self.data.get(key, 0)
-            for key in ("decode_steps", "zero_signatures", "unrecorded_steps")
+            for key in ("decode_steps", "zero_signatures", "unrecorded_steps",
+                        "unknown_signatures", "unknown_blocks")
         )
 
 
@@ -98,6 +103,16 @@ class EldrPromMetrics(KVConnectorPromMetrics):
             "eldr_unrecorded_steps",
             "Engine steps whose forward did not record expert ids (hook missing from the graph).",
         )
+        self.unknown_signatures = counter(
+            "eldr_unknown_signatures",
+            "Prompts given no signature because part of their prompt's KV was computed by"
+            " another engine (loaded through the KV connector): its expert ids are unknown here.",
+        )
+        self.unknown_blocks = counter(
+            "eldr_unknown_block_events",
+            "Full KV blocks left out of the expert events: their KV was computed by another"
+            " engine (loaded through the KV connector).",
+        )
         self.layers = self._gauge_cls(
             name="eldr_moe_layers", documentation="MoE layers per step.", labelnames=labelnames,
             multiprocess_mode="mostrecent",
@@ -106,7 +121,9 @@ class EldrPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metric in (
-            ("zero_signatures", self.zero_signatures), ("unrecorded_steps", self.unrecorded_steps)
+            ("zero_signatures", self.zero_signatures), ("unrecorded_steps", self.unrecorded_steps),
+            ("unknown_signatures", self.unknown_signatures),
+            ("unknown_blocks", self.unknown_blocks),
         ):
             if transfer_stats_data.get(key):
                 metric[engine_idx].inc(transfer_stats_data[key])
