@@ -257,7 +257,11 @@ class _Run:
         self.prefill_loads[w] -= 1
         self.prefill_queued[w] -= int(self.turns.prompts[r].size - self.cached[r])
         self.prefill_caches[w].insert(self.hashes[r])
-        if self.worker[r] >= 0:  # chosen at arrival
+        if self.worker[r] >= 0:  # chosen at arrival: the prefill's signature replaces its guess
+            inputs = routing_inputs(self.arrays.prefill_counts[int(self.turns.row[r])],
+                                    self.transform)
+            self.policy.on_signature(int(self.worker[r]), RoutingRequest(
+                self.decode_loads.copy(), self.decode_eligible, inputs.features, inputs.counts), r)
             self.pull(r, t)
         else:
             self.route_decode(r, t)

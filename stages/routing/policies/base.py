@@ -104,6 +104,13 @@ class DecodePolicy(ABC):
         and choose the decode worker afterwards (every policy but the KV-aware ones)."""
         return None
 
+    def on_signature(  # noqa: B027
+        self, worker: int, request: RoutingRequest, key: Hashable
+    ) -> None:
+        """Request ``key``, dispatched to ``worker`` at arrival on its signature at arrival, got
+        its prefill's signature (``request.counts``): a policy that models the batches its
+        workers run counts it with that from now on."""
+
     def on_complete(self, worker: int, key: Hashable) -> None:  # noqa: B027
         """Called when request ``key`` on ``worker`` finished (success or failure). A key this
         policy never saw (dispatched before a policy switch) must be ignored."""
