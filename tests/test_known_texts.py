@@ -161,3 +161,50 @@ def test_the_store_keeps_its_bound(kv) -> None:
     assert texts.chars <= 1000
     assert texts.reuse(49, "49 " + "words " * 41) is not None
     assert texts.reuse(0, "0 " + "words " * 41) is None
+
+
+def _trained(kind: str, prompts: list[str]) -> Any:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    if kind.startswith("unigram"):
+        tok = Tokenizer(models.Unigram())
+        trainer: Any = trainers.UnigramTrainer(vocab_size=1000, special_tokens=["<unk>"],
+                                               unk_token="<unk>")
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<unk>"])
+    tok.pre_tokenizer = {
+        "bytelevel": pre_tokenizers.ByteLevel(add_prefix_space=False),
+        "bytelevel-nfkc": pre_tokenizers.ByteLevel(add_prefix_space=False),
+        "metaspace": pre_tokenizers.Metaspace(prepend_scheme="first"),
+        "unigram-metaspace": pre_tokenizers.Metaspace(prepend_scheme="always"),
+        "whitespace": pre_tokenizers.Whitespace(),
+    }[kind]
+    if kind.endswith("nfkc"):
+        tok.normalizer = normalizers.NFKC()
+    tok.train_from_iterator(prompts, trainer)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "bytelevel-nfkc", "metaspace",
+                                  "unigram-metaspace", "whitespace"])
+def test_reuse_never_gives_other_ids_than_the_whole_text_in_other_tokenizers(kind) -> None:
+    """Tokenizers of the other kinds real models ship (SentencePiece-style Metaspace, Unigram,
+    a normalizer): a reuse either reproduces the whole text's ids or is refused."""
+    prompts = [p.prompt for path in (CALIBRATION_PROMPTS, EVALUATION_PROMPTS)
+               for p in load_prompts(path)][::20]
+    tok = _trained(kind, prompts)
+    texts = KnownTexts(tok)
+    reused = 0
+    for before, after in itertools.pairwise(prompts):
+        for head in (before, before + " ", before[: len(before) // 2]):
+            old, new = head + after, head + before
+            texts.remember("k", old, texts.encode(old))
+            reuse = texts.reuse("k", new)
+            rest = None if reuse is None else texts.rest(reuse, new)
+            if reuse is not None and rest is not None:
+                joined = reuse.old.joined(reuse.restart, rest, reuse.restart_char)
+                assert joined.ids.tolist() == tok.encode(new, add_special_tokens=False).ids
+                reused += 1
+    # A pre-tokenizer that drops the spaces leaves no id starting at one: nothing is reused.
+    assert (reused == 0) if kind == "whitespace" else (reused > 100)
