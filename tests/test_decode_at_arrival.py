@@ -118,3 +118,29 @@ def test_a_decode_worker_that_leaves_during_the_prefill_is_chosen_again(kv_proxy
     assert [c.worker for c in calls] == [left, 1 - left]  # chosen again, elsewhere
     assert calls[0].done == [left]  # the first choice was dropped from the policy
     assert len(behaviors[2 + left].received) == 0 and len(behaviors[3 - left].received) == 1
+
+
+def test_the_decode_workers_caches_are_matched_once_and_counted_as_the_choice_saw_them(
+        kv_proxy) -> None:
+    state, _, client = kv_proxy
+    _arrival_with_block_size_known(state, client)
+    body = {"prompt": PROMPT, "max_tokens": 8}
+    ids = state.kv.tokenizer.completion(body)
+    state.kv.decode.apply(0, 0, batch(stored(BlockHasher().hashes(ids, 32), block_size=32)))
+    prompt = state.kv.prompt(body, False, all_ids=True)
+    held = state.kv.decode.cached_tokens(prompt.reusable)
+    assert held[0] > 0 and held[1] == 0
+    matches: list[int] = []
+    match = state.kv.decode.cached_tokens
+
+    def counting(blocks):  # type: ignore[no-untyped-def]
+        matches.append(len(blocks))
+        return match(blocks)
+
+    state.kv.decode.cached_tokens = counting
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert len(matches) == 1  # at arrival; the decode leg reuses it
+    sample = state.metrics.registry.get_sample_value
+    assert sample("eldr_kv_prompt_tokens_total", {"leg": "decode"}) == prompt.tokens
+    assert sample("eldr_kv_cached_tokens_total", {"leg": "decode"}) == held[0]

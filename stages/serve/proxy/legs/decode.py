@@ -161,13 +161,16 @@ async def run_decode(ctx: RequestContext, handoff: Handoff,
             if not eligible.any():
                 break
             t0 = perf_counter()
-            kv = kv_inputs(ctx)
             if chosen is not None and eligible[chosen.worker]:
-                worker, on_complete = chosen
+                # What the workers held at arrival, as the choice weighed it: the prompt is
+                # matched against their caches once per decision.
+                worker, on_complete, kv = chosen
             else:
                 if chosen is not None:  # its worker left while the prefill ran
                     chosen.on_complete(chosen.worker)
-                worker, on_complete = router.choose(handoff.features, pool.loads(), eligible, kv)
+                kv = kv_inputs(ctx)
+                worker, on_complete, _ = router.choose(handoff.features, pool.loads(), eligible,
+                                                       kv)
             chosen = None
             if kv.cached_tokens is not None and state.kv is not None and ctx.prompt is not None:
                 state.kv.decode.sent(worker, ctx.prompt.hashes)  # it pulls and stores what it lacks

@@ -64,6 +64,9 @@ class Decision(NamedTuple):
 
     worker: int
     on_complete: Callable[[int], None]
+    # What the workers held of the prompt when it was chosen: a decision made at arrival
+    # carries it to the decode leg, which counts it without matching the prompt again.
+    kv: KVInputs = NO_KV
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class DecodeRouter:
         policy.on_dispatch(worker, request, key)
         # Bound to the policy that heard the dispatch: after a switch the old one hears the
         # completion and forgets the request; the new one never counted it.
-        return Decision(worker, partial(policy.on_complete, key=key))
+        return Decision(worker, partial(policy.on_complete, key=key), kv)
 
     def choose_local(self, loads: np.ndarray, eligible: np.ndarray, kv: KVInputs,
                      prefill: PrefillRequest) -> Decision | None:
@@ -256,7 +259,7 @@ class DecodeRouter:
             return None
         key = next(self._keys)
         policy.on_dispatch(worker, request, key)
-        return Decision(worker, partial(policy.on_complete, key=key))
+        return Decision(worker, partial(policy.on_complete, key=key), kv)
 
     # --- the other proxies' requests, as the decode workers publish them ---
 
