@@ -417,6 +417,9 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
             try:
                 if proc is not None:
                     wait_healthy(url, 120, proc.poll, interval_s=0.2)
+                if router in KV_AWARE:
+                    print(f"{router}: its KV view replayed the workers' history in"
+                          f" {wait_kv_caught_up(url):.1f} s", flush=True)
                 for workload, concurrency in work:
                     name = f"{router}-{workload}-{concurrency}"
                     spy = start_profile(proc, router, args.profile, name, args.seconds)
@@ -454,6 +457,27 @@ def kv_event_ports(count: int, avoid: list[int]) -> list[int]:
     if len(chosen) < count:
         raise SystemExit(f"only {len(chosen)} of {count} pairs of adjacent free ports")
     return chosen
+
+
+def wait_kv_caught_up(url: str, timeout_s: float = 120.0, quiet_s: float = 2.5) -> float:
+    """Seconds until a KV-aware router's view has applied what the idle fakes published before
+    it started (their replay buffers: up to 10,000 batches each after other routers' points),
+    so that start-up work is not counted as the first point's CPU per request."""
+    from urllib.request import urlopen
+
+    t0 = time.monotonic()
+    seen: list[int] | None = None
+    since = t0
+    while time.monotonic() - t0 < timeout_s:
+        with urlopen(url + "/admin/state", timeout=10) as r:
+            kv = json.loads(r.read())["kv"]
+        now = [w["events"] for role in ("prefill", "decode") for w in kv[role]]
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return since - t0
+        time.sleep(0.1)
+    raise SystemExit(f"the KV view of {url} was still applying events after {timeout_s:.0f} s")
 
 
 def kv_state(url: str, out: Path) -> str:

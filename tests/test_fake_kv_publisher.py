@@ -127,3 +127,43 @@ async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the view did not get there")
+
+
+def test_the_bench_measures_a_kv_router_once_its_view_has_caught_up() -> None:
+    """A KV-aware router replays each fake's buffered batches when it starts: the bench waits
+    until its view's event counts stop moving, or says it never did."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from examples.bench_proxy import wait_kv_caught_up
+
+    polls = [0]
+    settles_after = [5]  # polls during which the counts still grow
+
+    class State(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            polls[0] += 1
+            events = min(polls[0], settles_after[0])
+            body = json.dumps({"kv": {"prefill": [{"events": events}],
+                                      "decode": [{"events": 2 * events}]}}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), State)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        waited = wait_kv_caught_up(url, timeout_s=10.0, quiet_s=0.3)
+        assert polls[0] >= 5 + 3 and 0.3 <= waited < 5.0
+        settles_after[0] = 10**9  # never settles
+        with pytest.raises(SystemExit, match="still applying events"):
+            wait_kv_caught_up(url, timeout_s=0.5, quiet_s=0.3)
+    finally:
+        server.shutdown()
+        server.server_close()
