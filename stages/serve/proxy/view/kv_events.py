@@ -27,11 +27,17 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
-import zmq.asyncio
 
-from stages.routing.kv.block_hashes import external_hash
 from stages.routing.kv.block_index import BlockIndex
 from stages.routing.kv.endpoints import replay_endpoint
+from stages.routing.kv.event_messages import (
+    AllBlocksCleared,
+    BlockStored,
+    KVEvent,
+    decode_batch,
+    external_hashes,
+)
+from stages.serve.proxy.view.zmq_inbox import ZmqInbox
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +122,12 @@ class KVView:
             log.info("KV events of worker %d restarted at %d (was %d)", worker, seq, last)
             self.index.cleared(worker)
         try:
-            batch = msgspec.msgpack.decode(payload)
-            events = batch[1]
-            for event in events:
-                self._event(worker, event)
-        except (msgspec.DecodeError, TypeError, KeyError, IndexError, ValueError) as exc:
+            events = decode_batch(payload).events
+        except msgspec.DecodeError as exc:
             self.malformed(worker, repr(exc))
             return
+        for event in events:
+            self._event(worker, event)
         self.last_seq[worker] = seq
         self.events[worker] += 1
         self._owed_since[worker] = None
@@ -139,21 +144,16 @@ class KVView:
             self.lost[worker] += 1
             self.index.cleared(worker)
 
-    def _event(self, worker: int, event: dict[str, Any]) -> None:
-        kind = event["type"]
-        if kind == "BlockStored":
-            if event.get("group_idx") not in (None, 0):
-                return  # another KV cache group (a hybrid model's): prefix hits follow group 0
-            self.block_size = int(event["block_size"])
-            self.index.stored(worker, [external_hash(h) for h in event["block_hashes"]])
-        elif kind == "BlockRemoved":
-            if event.get("group_idx") not in (None, 0):
-                return
-            self.index.removed(worker, [external_hash(h) for h in event["block_hashes"]])
-        elif kind == "AllBlocksCleared":
+    def _event(self, worker: int, event: KVEvent) -> None:
+        if type(event) is AllBlocksCleared:
             self.index.cleared(worker)
+        elif event.group_idx not in (None, 0):
+            return  # another KV cache group (a hybrid model's): prefix hits follow group 0
+        elif type(event) is BlockStored:
+            self.block_size = event.block_size
+            self.index.stored(worker, external_hashes(event.block_hashes))
         else:
-            raise ValueError(f"unknown KV event {kind!r}")
+            self.index.removed(worker, external_hashes(event.block_hashes))
 
     def state(self) -> list[dict[str, Any]]:
         trusted = self.trusted()
@@ -167,7 +167,7 @@ class KVView:
 
 async def follow_kv_events(sources: Sequence[KVEventSource | None], view: KVView) -> None:
     """Follow every worker's KV events into ``view`` until cancelled."""
-    context = zmq.asyncio.Context.instance()
+    context = zmq.Context.instance()
     tasks = [asyncio.create_task(_follow(context, w, s, view), name=f"eldr-kv-{w}")
              for w, s in enumerate(sources) if s is not None]
     try:
@@ -181,17 +181,19 @@ async def follow_kv_events(sources: Sequence[KVEventSource | None], view: KVView
 REPLAY_TIMEOUT_S = 2.0
 
 
-async def _follow(context: zmq.asyncio.Context, worker: int, source: KVEventSource,
+async def _follow(context: zmq.Context, worker: int, source: KVEventSource,
                   view: KVView) -> None:
-    sub = context.socket(zmq.SUB)
+    sub = zmq.Socket(context, zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(source.endpoint)
+    inbox = ZmqInbox(sub)
     try:
         # What the worker stored before this proxy listened, as far as its buffer reaches.
         await _replay(context, worker, source, view, 0)
         while True:
-            frames = await sub.recv_multipart()
+            await inbox.wait()
+            frames = inbox.recv()
             if len(frames) != 3 or len(frames[1]) != 8:
                 view.malformed(worker, f"{len(frames)} frames")
                 continue
@@ -202,29 +204,31 @@ async def _follow(context: zmq.asyncio.Context, worker: int, source: KVEventSour
                 view.gap(worker, repaired)
             view.apply(worker, seq, frames[2])
     finally:
-        sub.close(linger=0)
+        inbox.close()
 
 
-async def _replay(context: zmq.asyncio.Context, worker: int, source: KVEventSource,
+async def _replay(context: zmq.Context, worker: int, source: KVEventSource,
                   view: KVView, start: int) -> bool:
     """Ask ``source`` for every batch from ``start``; whether the replay began there."""
     if source.replay is None:
         return False
-    dealer = context.socket(zmq.DEALER)
+    dealer = zmq.Socket(context, zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     # No limit on this side: a ROUTER drops what a full pipe cannot take, and a replay is
     # every batch the worker buffered at once.
     dealer.setsockopt(zmq.RCVHWM, 0)
     dealer.connect(source.replay)
+    inbox = ZmqInbox(dealer)
     first: int | None = None
     previous: int | None = None
     try:
-        await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        # A DEALER that connected queues the request until the connection is up.
+        dealer.send_multipart((b"", start.to_bytes(8, "big")), zmq.NOBLOCK)
         while True:
-            if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+            if not await inbox.wait(REPLAY_TIMEOUT_S):
                 log.warning("worker %d: no KV event replay from %s", worker, source.replay)
                 return False
-            frames = await dealer.recv_multipart()
+            frames = inbox.recv()
             if len(frames) != 4 or len(frames[2]) != 8:
                 view.malformed(worker, "replay frames")
                 return False
@@ -241,5 +245,5 @@ async def _replay(context: zmq.asyncio.Context, worker: int, source: KVEventSour
             previous = seq
             view.apply(worker, seq, frames[3])
     finally:
-        dealer.close(linger=0)
+        inbox.close()
     return first == start or (first is None and start == 0)

@@ -1,0 +1,53 @@
+"""A ZMQ socket read from the event loop, every queued message at each wake-up.
+
+pyzmq's asyncio sockets cost a future, a poll and several callbacks per message received; a
+follower of a busy worker's KV events gets one message per request the worker runs. Here the
+socket is a plain one: the loop watches its descriptor, and each wake-up takes what is queued
+without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+
+
+class ZmqInbox:
+    """Owns ``socket`` (closed by ``close``); used from one event loop's thread."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket = socket
+        self._loop = asyncio.get_running_loop()
+        self._woken = asyncio.Event()
+        self._fd = socket.FD
+        self._loop.add_reader(self._fd, self._woken.set)
+
+    async def wait(self, timeout_s: float | None = None) -> bool:
+        """Until a message is queued (True) or ``timeout_s`` passed (False)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            # The descriptor only tells that something changed, and reading EVENTS re-arms it:
+            # clear first, so a message that comes after the check still wakes the wait.
+            self._woken.clear()
+            if self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                return True
+            if deadline is None:
+                await self._woken.wait()
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._woken.wait(), left)
+            except TimeoutError:
+                return bool(self.socket.get(zmq.EVENTS) & zmq.POLLIN)
+
+    def recv(self) -> list[bytes]:
+        """The next queued message; raises zmq.Again when none is."""
+        return self.socket.recv_multipart(zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        self.socket.close(linger=0)
