@@ -40,6 +40,7 @@ from stages.routing.policies import POLICIES
 from stages.serve.proxy.router.decode_router import Decision, DecodeRouter
 from stages.signature import wire
 from stages.signature.dataset import ModelIdentity
+from stages.signature.token_predictor import TokenPredictor
 from stages.signature.transform import SignatureTransform, fit_idf
 
 GOAL_US = 50.0
@@ -54,6 +55,7 @@ class BenchArtifact:
     centroids: np.ndarray
     transform: SignatureTransform
     identity: ModelIdentity
+    token_predictor: TokenPredictor | None = None
 
 
 def percentiles(us: np.ndarray) -> str:

@@ -5,13 +5,17 @@ prefill fails leaves nothing behind in the policy."""
 from __future__ import annotations
 
 import threading
+from dataclasses import fields, replace
 from typing import Any, NamedTuple
 
 import numpy as np
+from typing_extensions import get_protocol_members
 
 from stages.routing.kv.block_experts import BlockExperts, ExpertEventsView
 from stages.routing.kv.block_hashes import BlockHasher
-from stages.serve.proxy.router.decode_router import NO_KV
+from stages.serve.proxy.router.decode_router import NO_KV, DecodeRouter
+from stages.signature.token_predictor import TokenPredictor
+from tests.fakes.artifact import FAKE_MODEL, domain_artifact
 from tests.fakes.worker import SIGNATURE_SHAPE
 from tests.test_kv_view import batch, stored
 from tests.test_kv_view import kv_proxy as kv_proxy  # a fixture, used by name
@@ -144,3 +148,26 @@ def test_the_decode_workers_caches_are_matched_once_and_counted_as_the_choice_sa
     sample = state.metrics.registry.get_sample_value
     assert sample("eldr_kv_prompt_tokens_total", {"leg": "decode"}) == prompt.tokens
     assert sample("eldr_kv_cached_tokens_total", {"leg": "decode"}) == held[0]
+
+
+def test_the_artifact_shape_the_router_reads_declares_the_token_predictor() -> None:
+    from stages.fit.artifact import Artifact
+    from stages.serve.proxy.router.artifact_source import ArtifactLike
+
+    declared = get_protocol_members(ArtifactLike)
+    assert "token_predictor" in declared
+    assert declared <= {f.name for f in fields(Artifact)}  # the fit stage's artifact has them
+
+
+def test_an_artifacts_token_predictor_gives_the_signature_at_arrival_without_events() -> None:
+    layers, experts = FAKE_MODEL.shape
+    mean = np.zeros((layers, experts), np.float32)
+    mean[:, 5] = 2.0  # every token routes to expert 5 of every layer
+    predictor = TokenPredictor(np.zeros(0, np.int32), np.zeros((0, 1), np.float32),
+                               np.zeros((1, layers * experts), np.float32), mean.ravel(),
+                               (layers, experts))
+    router = DecodeRouter(2, "eldr-kv", replace(domain_artifact(2), token_predictor=predictor),
+                          model_top_k=FAKE_MODEL.top_k)
+    features = router.arrival_features(list(range(64)), [], 32, None)
+    assert not features.missing and features.counts is not None
+    assert int(np.argmax(features.counts.sum(axis=0))) == 5

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.signature.dataset import ModelIdentity
+from stages.signature.token_predictor import TokenPredictor
 from stages.signature.transform import SignatureTransform
 from tests.fakes.worker import SIGNATURE_SHAPE, domain_prompt, domain_signature
 
@@ -25,6 +26,7 @@ class FakeArtifact:
     centroids: np.ndarray
     transform: SignatureTransform
     identity: ModelIdentity
+    token_predictor: TokenPredictor | None = None
 
 
 def plain_transform(num_layers: int, num_experts: int) -> SignatureTransform:

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import numpy as np
 
+from stages.signature.token_predictor import TokenPredictor
+
 
 class TransformLike(Protocol):
     def apply(self, counts: np.ndarray) -> np.ndarray:
@@ -39,6 +41,10 @@ class ArtifactLike(Protocol):
     def transform(self) -> TransformLike: ...
     @property
     def identity(self) -> IdentityLike: ...
+    @property
+    def token_predictor(self) -> TokenPredictor | None:
+        """A prompt's signature at arrival from its tokens; None: the fit made none."""
+        ...
 
 
 ArtifactLoader = Callable[[Path, str], ArtifactLike]

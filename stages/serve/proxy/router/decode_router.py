@@ -224,7 +224,7 @@ class DecodeRouter:
         wants_vector = policy.uses_signature and self.artifact is not None
         if not (wants_vector or policy.uses_counts) or not ids:
             return NO_FEATURES
-        predictor = getattr(self.artifact, "token_predictor", None)
+        predictor = self.artifact.token_predictor if self.artifact is not None else None
         if experts is None and predictor is None:
             return Features(None, missing=True)
         signature = arrival_signature(ids, hashes, block_size, experts or BlockExperts(),
