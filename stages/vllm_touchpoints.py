@@ -188,8 +188,9 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     Touchpoint("vllm.v1.request:Request", M, "the connector reads a request's id, its"
                " kv_transfer_params (record flag, routed signature) and its output length",
                ("request_id", "kv_transfer_params", "num_output_tokens")),
-    Touchpoint("vllm.v1.core.kv_cache_manager:KVCacheBlocks", N, "type of"
-               " update_state_after_alloc's blocks"),
+    Touchpoint("vllm.v1.core.kv_cache_manager:KVCacheBlocks", M, "update_state_after_alloc's"
+               " blocks: those not hashed at admission, if a connector fills them, hold KV this"
+               " engine never ran (stages.capture.ledger)", ("get_unhashed_block_ids_all_groups",)),
     Touchpoint("vllm.v1.kv_cache_interface:FullAttentionSpec", M, "signatures follow the"
                " first full-attention KV cache group", ("block_size",)),
     Touchpoint("vllm.v1.kv_cache_interface:KVCacheConfig", M, "the table has one row per"
