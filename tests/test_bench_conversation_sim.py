@@ -15,21 +15,13 @@ from stages.bench.sim.conversation_sim import (
 )
 from stages.bench.sim.conversation_workload import SimConversationSpec, build_turns
 from stages.bench.sim.prefix_cache import PrefixCache
-from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
 from stages.bench.workloads.blocks import block_hashes
 from stages.errors import EldrError
 from stages.routing import policies as routing_policies
 from stages.routing.cost_model import gpu_like
 from stages.routing.policies import DecodePolicy, PrefillRequest, RoutingRequest
-
-LAYERS, EXPERTS, TOP_K = 4, 16, 2
-
-
-@pytest.fixture(scope="module")
-def arrays():  # type: ignore[no-untyped-def]
-    return synthetic_signatures(SyntheticSpec(num_requests=200, num_layers=LAYERS,
-                                              num_experts=EXPERTS, top_k=TOP_K,
-                                              domain_experts=6))
+from tests.sim_arrays import EXPERTS, LAYERS, TOP_K
+from tests.sim_arrays import arrays as arrays  # a fixture, used by name
 
 
 def small_config(policies: tuple[str, ...], **workload: object) -> ConversationSimConfig:

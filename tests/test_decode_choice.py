@@ -14,22 +14,14 @@ from stages.bench.sim.conversation_sim import (
     simulate_outcomes,
 )
 from stages.bench.sim.conversation_workload import SimConversationSpec, build_turns
-from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
 from stages.errors import EldrError
 from stages.routing import policies as routing_policies
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import gpu_like
 from stages.routing.policies import DecodePolicy, RoutingRequest, make_policy
 from stages.routing.policy_config import PolicyConfig
-
-LAYERS, EXPERTS, TOP_K = 4, 16, 2
-
-
-@pytest.fixture(scope="module")
-def arrays():  # type: ignore[no-untyped-def]
-    return synthetic_signatures(SyntheticSpec(num_requests=200, num_layers=LAYERS,
-                                              num_experts=EXPERTS, top_k=TOP_K,
-                                              domain_experts=6))
+from tests.sim_arrays import EXPERTS, LAYERS, TOP_K
+from tests.sim_arrays import arrays as arrays  # a fixture, used by name
 
 
 def _config(policies: tuple[str, ...], policy_config: PolicyConfig | None = None
