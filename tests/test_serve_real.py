@@ -252,6 +252,57 @@ def test_a_request_its_decode_worker_prefills_itself_answers_as_the_pd_path(
     assert on_pd_path and prefilled_locally == on_pd_path
 
 
+def _signature_answer(url: str, prompt: str, kv: dict | None = None) -> dict:
+    """``url``'s ``kv_transfer_params`` for ``prompt`` (greedy, one token)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json().get("kv_transfer_params") or {}
+
+
+def test_a_decode_workers_signature_over_a_prefix_it_pulled_is_unknown_not_wrong(
+    deployment: Deployment
+) -> None:
+    """A decode worker never ran the prompt blocks it pulled over NIXL, so it does not know
+    their expert counts: a request it then prefills itself on that prefix (eldr-kv's local
+    prefill) gets no signature from it and is counted unknown, rather than a signature summed
+    from zeros or a previous occupant's counts; the pull itself counts no empty signature."""
+    from stages.serve.proxy.front.request import PREFILL_KV_TRANSFER_PARAMS
+
+    prefill, decode = deployment.prefill_urls[0], deployment.decode_urls[0]
+    head = uuid.uuid4().hex + " The harbour board listed every ferry by its tonnage." * 30
+    turn = head + " Which of them sails first on Sundays?"
+
+    def counter(name: str, label: str = "") -> float:
+        return _counters((decode,), name, label)
+
+    zero, unknown = counter("eldr_zero_signatures_total"), counter("eldr_unknown_signatures_total")
+    # The PD path by hand: the prefill worker runs the head, the decode worker pulls its KV.
+    handoff = _signature_answer(prefill, head, dict(PREFILL_KV_TRANSFER_PARAMS))
+    assert wire.decode(handoff) is not None
+    pulled = counter("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
+    _signature_answer(decode, head, handoff)  # as the proxy passes it
+    assert counter("vllm:prompt_tokens_by_source_total",
+                   'source="external_kv_transfer"') > pulled
+    # The next turn, prefilled by the decode worker itself on the pulled head.
+    hits = counter("vllm:prompt_tokens_by_source_total", 'source="local_cache_hit"')
+    local = _signature_answer(decode, turn)
+    assert counter("vllm:prompt_tokens_by_source_total", 'source="local_cache_hit"') > hits
+    reference = wire.decode(_signature_answer(prefill, turn))  # it computed the head itself
+    assert reference is not None
+    got = wire.decode(local)
+    if got is not None:  # known only where it is right
+        np.testing.assert_array_equal(got, reference)
+    else:  # the worker's connector stats reach its /metrics with a later engine step
+        deadline = time.monotonic() + 20
+        while counter("eldr_unknown_signatures_total") == unknown and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert counter("eldr_unknown_signatures_total") == unknown + 1
+    assert counter("eldr_zero_signatures_total") == zero
+
+
 def test_workers_keep_vllms_hybrid_kv_cache_manager(deployment: Deployment) -> None:
     # vLLM turns its hybrid KV cache manager off for the whole engine when any connector lacks
     # SupportsHMA (sliding-window models then run slower): eldr's connector must not be one.
