@@ -13,7 +13,7 @@ import pytest
 from stages.paths import BUNDLED_MODELS_DIR, CALIBRATION_PROMPTS, EVALUATION_PROMPTS
 from stages.prompts import load_prompts
 from stages.routing.kv.block_hashes import BlockHasher
-from stages.routing.kv.known_texts import KnownTexts
+from stages.routing.kv.known_texts import MARGIN_TOKENS, KnownTexts
 from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_routing import KVRouting
 from tests.test_kv_view import batch, stored
@@ -208,3 +208,15 @@ def test_reuse_never_gives_other_ids_than_the_whole_text_in_other_tokenizers(kin
                 reused += 1
     # A pre-tokenizer that drops the spaces leaves no id starting at one: nothing is reused.
     assert (reused == 0) if kind == "whitespace" else (reused > 100)
+
+
+def test_a_conversation_finds_its_own_last_turn_among_many_sharing_its_system_prompt(kv) -> None:
+    texts = kv.texts
+    turns = [f"{SYSTEM}User {i}: which wells in district {i} were tested? " * 2
+             for i in range(40)]
+    for turn in turns:
+        texts.remember("k", turn, texts.encode(turn))
+    following = turns[0] + "Assistant: the northern ones. User: and in autumn?"
+    reuse = texts.reuse("k", following)
+    assert reuse is not None
+    assert reuse.tokens == len(texts.encode(turns[0]).ids) - MARGIN_TOKENS

@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 MARGIN_TOKENS = 16
 # Old ids the rest's encoding must reproduce from its word start before it is trusted.
 OVERLAP_TOKENS = 8
-# Texts compared per key: a system prompt's recent requests.
-PER_KEY = 4
+# Texts are found by their first FIRST_LEVEL, 2 x FIRST_LEVEL, 4 x ... characters: a new text
+# is compared with the (at most PER_BUCKET newest) texts that share the longest of these with
+# it, so a conversation finds its own last turn among many that share its system prompt.
+FIRST_LEVEL = 256
+PER_BUCKET = 4
 # About 16 MiB of text, plus 12 bytes of ids and offsets per token.
 DEFAULT_MAX_CHARS = 1 << 24
 
@@ -79,7 +82,12 @@ class KnownTexts:
                  verify_every: int = 256) -> None:
         """``backend``: a Rust ``tokenizers.Tokenizer`` (offsets come with its ids)."""
         self._backend = backend
-        self._texts: OrderedDict[Hashable, list[tuple[str, Encoded]]] = OrderedDict()
+        # Texts by number, least recently used first, and the numbers of those that start
+        # alike (key, level, hash of the text's first ``level`` characters), newest first.
+        self._entries: OrderedDict[int, tuple[str, Encoded, list[tuple[Any, ...]]]] = (
+            OrderedDict())
+        self._alike: dict[tuple[Any, ...], list[int]] = {}
+        self._next = 0
         self._max_chars = max_chars
         self.chars = 0
         self._verify_every = verify_every
@@ -94,30 +102,48 @@ class KnownTexts:
         return Encoded(array("i", enc.ids), array("i", [s for s, _ in enc.offsets]), len(text))
 
     def remember(self, key: Hashable, text: str, encoded: Encoded) -> None:
-        texts = self._texts.get(key)
-        if texts is None:
-            texts = self._texts[key] = []
-        else:
-            self._texts.move_to_end(key)
-            for i, (old, _) in enumerate(texts):
-                if old == text:
-                    texts.pop(i)
-                    self.chars -= len(old)
-                    break
-        texts.insert(0, (text, encoded))
+        buckets = _buckets(key, text)
+        for number in self._alike.get(buckets[-1], ()):
+            if self._entries[number][0] == text:
+                self._forget(number)
+                break
+        number = self._next
+        self._next += 1
+        self._entries[number] = (text, encoded, buckets)
         self.chars += len(text)
-        if len(texts) > PER_KEY:
-            self.chars -= len(texts.pop()[0])
-        while self.chars > self._max_chars and len(self._texts) > 1:
-            self.chars -= sum(len(t) for t, _ in self._texts.popitem(last=False)[1])
+        for bucket in buckets:
+            alike = self._alike.setdefault(bucket, [])
+            alike.insert(0, number)
+            if len(alike) > PER_BUCKET:
+                alike.pop()  # still found by its longer prefixes, if others do not share them
+        while self.chars > self._max_chars and len(self._entries) > 1:
+            self._forget(next(iter(self._entries)))
+
+    def _forget(self, number: int) -> None:
+        text, _, buckets = self._entries.pop(number)
+        self.chars -= len(text)
+        for bucket in buckets:
+            alike = self._alike.get(bucket)
+            if alike is not None and number in alike:
+                alike.remove(number)
+                if not alike:
+                    del self._alike[bucket]
 
     def reuse(self, key: Hashable, text: str) -> Reuse | None:
         """The most ``text`` can keep of a text remembered under ``key``; None where it keeps
-        nothing (or reuse is off)."""
+        nothing (or reuse is off). Compared only with the texts that share its longest
+        prefix of a level's length with it."""
         if not self.enabled:
             return None
+        candidates: list[int] = []
+        for bucket in reversed(_buckets(key, text)):
+            candidates = self._alike.get(bucket, [])
+            if candidates:
+                break
         best: Reuse | None = None
-        for old_text, old in self._texts.get(key, ()):
+        for number in candidates:
+            old_text, old, _ = self._entries[number]
+            self._entries.move_to_end(number)
             shared = _common_prefix(old_text, text)
             if shared == len(old_text) == len(text):
                 tokens = len(old.ids)  # the same text: every id stands
@@ -199,3 +225,14 @@ def _word_start(text: str, starts: array[int], at_most: int) -> int | None:
         if c != starts[i - 1] and text[c].isspace():
             return i
     return None
+
+
+def _buckets(key: Hashable, text: str) -> list[tuple[Any, ...]]:
+    """Where ``text`` is found: by ``key`` alone, then by each level's prefix, shortest
+    first (a hash: two texts that collide are only compared in vain)."""
+    out: list[tuple[Any, ...]] = [(key,)]
+    level = FIRST_LEVEL
+    while level <= len(text):
+        out.append((key, level, hash(text[:level])))
+        level *= 2
+    return out
