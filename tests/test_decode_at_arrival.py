@@ -65,6 +65,19 @@ def _record_choices(state: Any, behaviors: list) -> list[Choice]:
     return calls
 
 
+def _count_decode_matches(state: Any) -> list[int]:
+    """The blocks of each match of a prompt against the decode workers' caches, from now on."""
+    matches: list[int] = []
+    match = state.kv.decode.cached_tokens
+
+    def counting(blocks):  # type: ignore[no-untyped-def]
+        matches.append(len(blocks))
+        return match(blocks)
+
+    state.kv.decode.cached_tokens = counting
+    return matches
+
+
 def test_the_decode_worker_is_chosen_before_the_prefill_on_the_cached_prefix(kv_proxy) -> None:
     state, behaviors, client = kv_proxy
     _arrival(client)
@@ -134,20 +147,28 @@ def test_the_decode_workers_caches_are_matched_once_and_counted_as_the_choice_sa
     prompt = state.kv.prompt(body, False, all_ids=True)
     held = state.kv.decode.cached_tokens(prompt.reusable)
     assert held[0] > 0 and held[1] == 0
-    matches: list[int] = []
-    match = state.kv.decode.cached_tokens
-
-    def counting(blocks):  # type: ignore[no-untyped-def]
-        matches.append(len(blocks))
-        return match(blocks)
-
-    state.kv.decode.cached_tokens = counting
+    matches = _count_decode_matches(state)
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert len(matches) == 1  # at arrival; the decode leg reuses it
     sample = state.metrics.registry.get_sample_value
     assert sample("eldr_kv_prompt_tokens_total", {"leg": "decode"}) == prompt.tokens
     assert sample("eldr_kv_cached_tokens_total", {"leg": "decode"}) == held[0]
+
+
+def test_with_local_prefill_on_the_decode_workers_caches_are_matched_once(kv_proxy) -> None:
+    state, behaviors, client = kv_proxy
+    _arrival_with_block_size_known(state, client)
+    # Local prefill on too, below one token: no decode worker holds the prompt, so the local
+    # choice declines it after matching the prompt, and the arrival choice follows.
+    assert client.post("/admin/policy", json={"policy": "eldr-kv", "config": {
+        "decode_choice": "arrival", "local_prefill_below": 1}}).is_success
+    assert state.router.policy.prefills_locally and state.router.policy.decodes_at_arrival
+    matches = _count_decode_matches(state)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert sum(len(b.received) for b in behaviors[:2]) == 1  # the PD path took it
+    assert len(matches) == 1  # for the local choice; the arrival choice reuses it
 
 
 def test_the_artifact_shape_the_router_reads_declares_the_token_predictor() -> None:

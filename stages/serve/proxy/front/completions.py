@@ -61,11 +61,13 @@ async def serve_one(ctx: RequestContext) -> Answer:
     # The request counts through its first lease from here: the legs take one before they
     # first wait, so no other request sees it counted twice, or not at all.
     ctx.admission.settle()
-    if ctx.prompt is not None:  # KV-aware: a decode worker may hold nearly all of it
-        answer, ctx = await run_local(ctx)
+    if ctx.prompt is None:
+        chosen = None
+    else:  # KV-aware: a decode worker may hold nearly all of it
+        answer, ctx, held = await run_local(ctx)
         if answer is not None:
             return answer
-    chosen = choose_at_arrival(ctx) if ctx.prompt is not None else None
+        chosen = choose_at_arrival(ctx, held)  # the decode workers' caches matched once
     try:
         kv = await run_prefill(ctx)
     except BaseException:

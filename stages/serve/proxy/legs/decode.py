@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from stages.serve.proxy.client.http1 import Response
 from stages.serve.proxy.client.upstream import NOT_DELIVERED, UPSTREAM_ERRORS, start_at_connection
@@ -62,24 +62,34 @@ def hand_off(ctx: RequestContext, kv: dict[str, Any] | None) -> Handoff:
     return Handoff(kv, features, feature_seconds)
 
 
-async def run_local(ctx: RequestContext) -> tuple[Answer | None, RequestContext]:
+class Local(NamedTuple):
+    """What ``run_local`` came to."""
+
+    answer: Answer | None  # the worker's answer; None: the PD path takes the request
+    ctx: RequestContext  # the request as the PD path takes it
+    # What the decode workers held of the prompt as matched for the local choice, for the
+    # arrival choice to reuse; None: not matched, or a worker was sent the request since.
+    kv: KVInputs | None = None
+
+
+async def run_local(ctx: RequestContext) -> Local:
     """Conditional disaggregation: where the policy sends the request at arrival to a decode
     worker that holds nearly all of its prompt, that worker prefills it itself (no prefill
-    worker, no hand-off: the request goes to it as it came). ``(None, ctx)`` when it does not,
-    or when that worker failed before anything reached the client: the PD path takes the
+    worker, no hand-off: the request goes to it as it came). No answer when it does not, or
+    when that worker failed before anything reached the client: the PD path takes the
     request then, under a request id of its own if the worker had it."""
     state = ctx.state
     if not state.router.policy.prefills_locally:
-        return None, ctx
+        return Local(None, ctx)
     pool = state.decode
     kv = kv_inputs(ctx)
     eligible = pool.eligible()
     prefill = prefill_request(ctx, state.prefill.eligible())
     if kv.cached_tokens is None or prefill is None or not eligible.any():
-        return None, ctx
+        return Local(None, ctx, kv)
     decision = state.router.choose_local(pool.loads(), eligible, kv, prefill)
     if decision is None:
-        return None, ctx
+        return Local(None, ctx, kv)
     worker = decision.worker
     assert ctx.prompt is not None and state.kv is not None  # kv_inputs found both
     state.kv.decode.sent(worker, ctx.prompt.hashes)  # it computes and stores what it lacks
@@ -90,20 +100,21 @@ async def run_local(ctx: RequestContext) -> tuple[Answer | None, RequestContext]
     outcome = await _attempt(ctx, lease, ctx.legs.decode_payload(None, tag))
     if not isinstance(outcome, Failure):
         pool.record_success(worker)
-        return outcome, ctx
+        return Local(outcome, ctx)
     log.warning("request %s: decode worker %s failed a local prefill (%.1f s in): %s; taking"
                 " the PD path", ctx.request_id, lease.url, ctx.elapsed(), outcome.reason)
     pool.record_failure(worker, outcome.reason)
     if outcome.delivered:
         ctx = ctx.with_request_id(f"{ctx.request_id}-pd")
-    return None, ctx
+    # The worker was sent the prompt (its view now owes events): the next choice matches anew.
+    return Local(None, ctx)
 
 
-def choose_at_arrival(ctx: RequestContext) -> Decision | None:
+def choose_at_arrival(ctx: RequestContext, kv: KVInputs | None = None) -> Decision | None:
     """``decode_choice = "arrival"``: the decode worker chosen before the prefill, on the
-    prompt's signature at arrival, what each worker holds of it and its load; the policy weighs
-    the request on it from now on. None: the policy chooses after the prefill (its default), or
-    the prompt is not known as tokens."""
+    prompt's signature at arrival, what each worker holds of it (``kv``, where ``run_local``
+    matched it already) and its load; the policy weighs the request on it from now on. None:
+    the policy chooses after the prefill (its default), or the prompt is not known as tokens."""
     state, prompt = ctx.state, ctx.prompt
     router = state.router
     if not router.policy.decodes_at_arrival or prompt is None:
@@ -116,7 +127,8 @@ def choose_at_arrival(ctx: RequestContext) -> Decision | None:
     features = router.arrival_features(prompt.ids, prompt.hashes, prompt.block_size, experts)
     if features.missing:
         state.metrics.missing_signature.inc()
-    decision = router.choose(features, state.decode.loads(), eligible, kv_inputs(ctx))
+    decision = router.choose(features, state.decode.loads(), eligible,
+                             kv if kv is not None else kv_inputs(ctx))
     state.metrics.decision_seconds.observe(perf_counter() - t0)
     return decision
 
