@@ -171,6 +171,34 @@ def test_with_local_prefill_on_the_decode_workers_caches_are_matched_once(kv_pro
     assert len(matches) == 1  # for the local choice; the arrival choice reuses it
 
 
+def _decisions_timed(state: Any) -> float:
+    count = state.metrics.registry.get_sample_value("eldr_router_decision_seconds_count")
+    return count or 0.0
+
+
+def test_a_decision_made_at_arrival_is_timed_once(kv_proxy) -> None:
+    state, _, client = kv_proxy
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert _decisions_timed(state) == 1  # chosen after the prefill
+    _arrival_with_block_size_known(state, client)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert _decisions_timed(state) == 2  # chosen at arrival, not timed again by the decode leg
+
+
+def test_a_retry_that_chooses_again_is_timed_as_a_decision_of_its_own(kv_proxy) -> None:
+    state, behaviors, client = kv_proxy
+    _arrival_with_block_size_known(state, client)
+    calls = _record_choices(state, behaviors)
+    for b in behaviors[2:]:
+        b.fail_status = 503  # every decode worker fails before streaming: each is tried once
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 502, r.text
+    assert len(calls) == 2  # at arrival, then the retry on the other worker
+    assert _decisions_timed(state) == 2
+
+
 def test_the_artifact_shape_the_router_reads_declares_the_token_predictor() -> None:
     from stages.fit.artifact import Artifact
     from stages.serve.proxy.router.artifact_source import ArtifactLike

@@ -167,6 +167,8 @@ async def run_decode(ctx: RequestContext, handoff: Handoff,
     failures: list[str] = []
     refreshes = 0
     attempts = state.config.max_attempts
+    # The first decision made here also paid for the signature transform; later ones reuse it.
+    feature_seconds = handoff.feature_seconds
     try:
         for attempt in range(attempts):
             eligible = pool.eligible(exclude=tried)
@@ -175,23 +177,25 @@ async def run_decode(ctx: RequestContext, handoff: Handoff,
             t0 = perf_counter()
             if chosen is not None and eligible[chosen.worker]:
                 # What the workers held at arrival, as the choice weighed it: the prompt is
-                # matched against their caches once per decision.
+                # matched against their caches once per decision, and the decision was timed
+                # where it was made (choose_at_arrival).
                 worker, on_complete, kv = chosen
+                decided_here = False
             else:
                 if chosen is not None:  # its worker left while the prefill ran
                     chosen.on_complete(chosen.worker)
                 kv = kv_inputs(ctx)
                 worker, on_complete, _ = router.choose(handoff.features, pool.loads(), eligible,
                                                        kv)
+                decided_here = True
             chosen = None
             if kv.cached_tokens is not None and state.kv is not None and ctx.prompt is not None:
                 state.kv.decode.sent(worker, ctx.prompt.hashes)  # it pulls and stores what it lacks
                 metrics.kv_prompt_tokens.labels("decode").inc(kv.prompt_tokens)
                 metrics.kv_cached_tokens.labels("decode").inc(int(kv.cached_tokens[worker]))
-            # The first decision also paid for the signature transform; retries reuse it.
-            metrics.decision_seconds.observe(
-                perf_counter() - t0 + (handoff.feature_seconds if not attempt else 0)
-            )
+            if decided_here:  # each decision is timed once, where it is made
+                metrics.decision_seconds.observe(perf_counter() - t0 + feature_seconds)
+                feature_seconds = 0.0
             metrics.decisions.labels(router.policy_name, pool.name(worker)).inc()
             if attempt:
                 metrics.retries.labels("decode").inc()
