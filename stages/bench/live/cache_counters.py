@@ -14,14 +14,13 @@ as NaN, never 0: a missing figure must not pass for a perfect one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import httpx
 
-from stages.bench.live.worker_metrics import metrics_url, scrape_metrics_pages
-from stages.errors import EldrError
+from stages.bench.live.prometheus_text import increase, samples
+from stages.bench.live.worker_metrics import scrape_metrics_pages
 
 QUERIES = "vllm:prefix_cache_queries"
 HITS = "vllm:prefix_cache_hits"
@@ -48,56 +47,10 @@ class CacheCounters:
         return self.hits / self.queries if self.queries > 0 else _NAN
 
     def minus(self, before: CacheCounters) -> CacheCounters:
-        """``self - before``; a counter that went down means a restart in between, and then
-        (as Prometheus' ``increase``) what it counted since is the delta."""
-
-        def delta(b: float, a: float) -> float:
-            if math.isnan(a) or math.isnan(b):
-                return _NAN
-            return a - b if a >= b else a
-
-        return CacheCounters(*(delta(getattr(before, f), getattr(self, f)) for f in (
+        """``self - before``, counter by counter (``increase``: a restart in between counts
+        what was counted since)."""
+        return CacheCounters(*(increase(getattr(before, f), getattr(self, f)) for f in (
             "queries", "hits", "external_tokens", "local_hit_tokens", "computed_tokens")))
-
-
-def _labels(text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(text):
-        eq = text.index("=", i)
-        key = text[i:eq].strip().lstrip(",").strip()
-        if text[eq + 1] != '"':
-            raise ValueError(f"unquoted label value in {{{text}}}")
-        j, value = eq + 2, []
-        while text[j] != '"':
-            if text[j] == "\\":
-                j += 1
-            value.append(text[j])
-            j += 1
-        out[key] = "".join(value)
-        i = j + 1
-        while i < len(text) and text[i] in ", ":
-            i += 1
-    return out
-
-
-def _samples(text: str) -> Iterable[tuple[str, dict[str, str], float]]:
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            if "{" in line.split(" ", 1)[0]:
-                name, rest = line.split("{", 1)
-                close = rest.rindex("}")
-                labels, value = _labels(rest[:close]), rest[close + 1 :].split()[0]
-            else:
-                name, value = line.split()[:2]
-                labels = {}
-            yield name, labels, float(value)
-        except (ValueError, IndexError) as exc:
-            raise EldrError(f"line {lineno} of a /metrics page is not Prometheus text:"
-                            f" {exc}") from exc
 
 
 def _is(name: str, stem: str) -> bool:
@@ -107,7 +60,7 @@ def _is(name: str, stem: str) -> bool:
 def cache_counters(text: str) -> CacheCounters:
     """A worker's counters from its ``/metrics`` page."""
     sums: dict[str, float] = {}
-    for name, labels, value in _samples(text):
+    for name, labels, value in samples(text):
         for key, stem, source in ((QUERIES, QUERIES, None), (HITS, HITS, None),
                                   (EXTERNAL, BY_SOURCE, EXTERNAL),
                                   (LOCAL_HIT, BY_SOURCE, LOCAL_HIT),
@@ -139,16 +92,12 @@ def total(counters: Iterable[CacheCounters]) -> CacheCounters:
 
 def block_size_of(text: str) -> int | None:
     """The KV block size a worker reports in ``vllm:cache_config_info{block_size=...}``."""
-    for name, labels, _ in _samples(text):
+    for name, labels, _ in samples(text):
         if name == "vllm:cache_config_info" and labels.get("block_size", "").isdigit():
             return int(labels["block_size"])
     return None
 
 
 async def worker_block_size(client: httpx.AsyncClient, url: str) -> int | None:
-    try:
-        response = await client.get(metrics_url(url), timeout=10.0)
-        response.raise_for_status()
-    except httpx.HTTPError as exc:
-        raise EldrError(f"cannot read {metrics_url(url)}: {exc}") from exc
-    return block_size_of(response.text)
+    pages = await scrape_metrics_pages(client, [url])
+    return block_size_of(pages[url])

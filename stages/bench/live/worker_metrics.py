@@ -14,12 +14,12 @@ histogram/summary (``..._seconds_sum``). Label sets (engine index, model name) a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import httpx
 
+from stages.bench.live.prometheus_text import increase, samples
 from stages.errors import EldrError
 
 STEPS = "eldr_decode_steps"
@@ -85,45 +85,10 @@ class ExpertStats:
         }
 
 
-def _split_sample(line: str) -> tuple[str, str]:
-    """``name{labels} value [ts]`` -> (name, rest after the labels)."""
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace == -1 or (space != -1 and space < brace):
-        name, _, rest = line.partition(" ")
-        return name, rest
-    # Label values may hold '}' or spaces inside quotes; walk to the closing brace.
-    i, quoted = brace + 1, False
-    while i < len(line):
-        ch = line[i]
-        if quoted and ch == "\\":
-            i += 2
-            continue
-        if ch == '"':
-            quoted = not quoted
-        elif ch == "}" and not quoted:
-            return line[:brace], line[i + 1 :]
-        i += 1
-    raise ValueError(f"unterminated label set in {line!r}")
-
-
 def parse_prometheus_text(text: str) -> dict[str, float]:
     """Sample name -> value summed over its label sets (comments and ``# TYPE`` skipped)."""
     totals: dict[str, float] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            name, rest = _split_sample(line)
-            fields = rest.split()
-            if not fields:
-                raise ValueError("no value")
-            value = float(fields[0])
-        except ValueError as exc:
-            raise EldrError(
-                f"line {lineno} of a /metrics page is not Prometheus text: {exc}"
-            ) from exc
+    for name, _, value in samples(text):
         totals[name] = totals.get(name, 0.0) + value
     return totals
 
@@ -171,18 +136,13 @@ def decode_counters(samples: Mapping[str, float]) -> DecodeCounters | None:
 
 
 def counter_delta(before: DecodeCounters, after: DecodeCounters) -> DecodeCounters:
-    """``after - before``; a counter that went down means the worker restarted in between,
-    and then (as Prometheus' ``increase``) what it counted since the restart is the delta."""
-
-    def delta(a: float, b: float) -> float:
-        if math.isnan(a) or math.isnan(b):
-            return float("nan")
-        return b - a if b >= a else b
+    """``after - before``, counter by counter (``increase``: a restart in between counts what
+    was counted since)."""
 
     return DecodeCounters(
-        delta(before.steps, after.steps),
-        delta(before.active_experts, after.active_experts),
-        delta(before.step_seconds, after.step_seconds),
+        increase(before.steps, after.steps),
+        increase(before.active_experts, after.active_experts),
+        increase(before.step_seconds, after.step_seconds),
     )
 
 
