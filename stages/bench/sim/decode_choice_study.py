@@ -8,8 +8,8 @@ Per seed, on the same conversations:
   expert gain of a choice is the best load balancer's figure minus its own, and ``kept`` is
   arrival's gain over after-prefill's.
 - eldr-kv with ``local_prefill_below`` N against the same with 0, for either decode choice:
-  TTFT p50 of the turns >= 2, TPOT p99 of every turn, and the share of turns >= 2 a decode
-  worker prefilled itself.
+  TTFT p50 of the turns >= 2, TPOT p50 and p99 and the mean arrival-to-last-token time of
+  every turn, and the share of turns >= 2 a decode worker prefilled itself.
 
 ``python -m stages.bench.sim.decode_choice_study --help`` runs it.
 """
@@ -46,7 +46,11 @@ def _latency(outcome: ConversationOutcome, turns: SimTurns) -> dict[str, float]:
     output = np.array([a.size for a in turns.answers])
     tpot = request_tpot_s(np.ones(len(turns), bool), output, ttft, outcome.done - outcome.arrival)
     return {"ttft_later_p50_ms": 1e3 * float(np.median(ttft[turns.turn >= 2])),
-            "tpot_p99_ms": 1e3 * float(np.nanpercentile(tpot, 99))}
+            "tpot_p50_ms": 1e3 * float(np.nanmedian(tpot)),
+            "tpot_p99_ms": 1e3 * float(np.nanpercentile(tpot, 99)),
+            # Arrival to last token, the mean over turns: the seconds a choice costs every
+            # request it touches, summed (TTFT and TPOT x tokens in one currency).
+            "latency_mean_ms": 1e3 * float(np.mean(outcome.done - outcome.arrival))}
 
 
 def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: object,
@@ -67,14 +71,10 @@ def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: 
     row = {"balancer_distinct": balancer, "gain_after_prefill": gain_after,
            "gain_arrival": gain_arrival, "kept": gain_arrival / gain_after}
     for choice, remote_run in (("arrival", arrival), ("after-prefill", after)):
-        remote = _latency(remote_run[POLICY], turns)
-        row[f"{choice}_remote_ttft_later_p50_ms"] = remote["ttft_later_p50_ms"]
-        row[f"{choice}_remote_tpot_p99_ms"] = remote["tpot_p99_ms"]
+        row |= {f"{choice}_remote_{k}": v for k, v in _latency(remote_run[POLICY], turns).items()}
         for n in local_below:
             _, local = outcomes((POLICY,), decode_choice=choice, local_prefill_below=n)
-            near = _latency(local[POLICY], turns)
-            row[f"{choice}_local{n}_ttft_later_p50_ms"] = near["ttft_later_p50_ms"]
-            row[f"{choice}_local{n}_tpot_p99_ms"] = near["tpot_p99_ms"]
+            row |= {f"{choice}_local{n}_{k}": v for k, v in _latency(local[POLICY], turns).items()}
             row[f"{choice}_local{n}_share_later"] = float(
                 np.mean(local[POLICY].prefill_worker[turns.turn >= 2] < 0))
     return row

@@ -19,7 +19,11 @@ the prefill worker and the hand-off, when the prompt tokens it lacks are fewer t
 prefill-ready time plus the pull. A conversation's decode worker holds its whole history,
 answers included, which a prefill worker never sees: a later turn then computes only its new
 message. Otherwise the request takes the PD path and its decode worker is chosen after prefill,
-from its signature.
+from its signature. Both paths' decode seconds count the experts the request adds: it has no
+signature at arrival, so it is priced as the mean request seen (``_typical_pi``). vLLM's chunked
+prefill spreads a long local prefill over steps but delays the batch beside it as long in sum
+(the budget, ``max_num_batched_tokens``, is 8,192 tokens a step on H100-class GPUs, more than
+the prompts a decode worker lacks below any useful threshold), so the stall is priced whole.
 
 A worker's KV that the proxy cannot vouch for (events silent or undecodable) counts as empty,
 so it is priced on load and experts alone. Without KV knowledge at all (no events, a prompt
@@ -47,10 +51,12 @@ from stages.routing.scorers.residual_load import shared_load
 
 # When a request sets no max_tokens: what a chat answer runs to, roughly.
 DEFAULT_OUTPUT_TOKENS = 256
-# Off by default: simulated 8P16D (GPU-like cost, conversations), a cap of 512 moved 37% of the
-# turns to their decode worker at 4 conversations/s: TTFT p50 of later turns 0.89x, but their
-# p99 1.23x and TPOT p99 1.04x (local prefills pile up on a worker's next step); at 10 and 16
-# conversations/s under 5% went local and nothing moved (docs/results.md).
+# Off by default: simulated 8P16D (GPU-like cost, conversations, seeds 0-4), with a local turn
+# priced as the mean request a cap of 512 or 1,024 sends 6-15% of the later turns local at 4
+# conversations/s, 1% at 10 and 0.3% at 16, and moves their TTFT p50 and all turns' TPOT p99
+# by under 0.5%. Priced blind to the experts it adds, 44-56% went local at 4/s: later turns'
+# TTFT p50 0.58-0.88x but TPOT p99 +7-11% and every request's time summed +1.5% (its history
+# holder is rarely the worker its decode costs least on; docs/results.md).
 DEFAULT_LOCAL_PREFILL_BELOW = 0
 # When the decode worker is chosen: after prefill, from its signature (the paper's rule), or
 # at arrival, from the signature at arrival (``stages.routing.arrival_signature``).
