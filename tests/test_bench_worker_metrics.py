@@ -8,11 +8,13 @@ import pytest
 
 from stages.bench.live.worker_metrics import (
     DecodeCounters,
+    ExpertStats,
     counter_delta,
     decode_counters,
     expert_stats,
     find_counter,
     parse_prometheus_text,
+    total_expert_stats,
 )
 from stages.errors import EldrError
 
@@ -81,3 +83,12 @@ def test_deltas_handle_restarts_and_per_layer_mean() -> None:
     assert stats.mean_step_ms == pytest.approx(15.0)
     # A worker without counters makes the cluster figure unknown, not partial.
     assert expert_stats({"w0": a, "w1": None}, {"w0": b, "w1": None}, 10) is None
+
+
+def test_a_benchs_parts_sum_to_its_expert_stats_only_when_every_part_has_them() -> None:
+    a = ExpertStats(10.0, 300.0, 0.5, num_layers=10)
+    b = ExpertStats(30.0, 500.0, 1.5, num_layers=10)
+    assert total_expert_stats([a, b]) == ExpertStats(40.0, 800.0, 2.0, num_layers=10)
+    assert total_expert_stats([a]) == a
+    assert total_expert_stats([a, None]) is None  # a partial sum would understate them
+    assert total_expert_stats([]) is None

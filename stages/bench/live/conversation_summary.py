@@ -12,6 +12,7 @@ import orjson
 
 from stages.bench.live.cache_counters import total
 from stages.bench.live.conversation_run import RunOutcome
+from stages.bench.live.worker_metrics import total_expert_stats
 from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import PolicyResult, policy_json
 from stages.bench.turn_metrics import round_spread_ms, share, ttft_by_turn
@@ -52,15 +53,13 @@ def target_metrics(runs: Sequence[RunOutcome], block_size: int) -> dict[str, obj
     metrics["prefill_hit_of_ideal"] = (prefill.hit_share / ideal_share
                                        if ideal_share > 0 else math.nan)
     metrics["history_pairs_dropped"] = sum(r.dropped_pairs for r in runs)
-    experts = [r.experts for r in runs]
-    if experts and all(e is not None for e in experts):
-        stats = experts[0]
-        for e in experts[1:]:
-            stats = stats + e  # type: ignore[operator]
-        metrics |= stats.as_dict()  # type: ignore[union-attr]
+    rounds = [r.experts for r in runs]
+    experts = total_expert_stats(rounds)
+    if experts is not None:
+        metrics |= experts.as_dict()
         # Each round's own figure, so a difference in experts is read against its noise as
         # TTFT's and TPOT's are (one run per round).
-        per_round = [e.active_experts_per_step for e in experts]  # type: ignore[union-attr]
+        per_round = [e.active_experts_per_step for e in rounds]  # type: ignore[union-attr]
         metrics["active_experts_per_step_by_round"] = per_round
         metrics["active_experts_round_spread"] = (max(per_round) - min(per_round)
                                                   if len(per_round) > 1 else math.nan)

@@ -36,6 +36,7 @@ from stages.bench.live.worker_metrics import (
     Scrape,
     expert_stats,
     scrape_decode_counters,
+    total_expert_stats,
 )
 from stages.bench.metrics import (
     RequestRecord,
@@ -231,12 +232,9 @@ def _policy_result(name: str, outcomes: list[_SegmentOutcome]) -> PolicyResult:
     metrics = summarize(table, sum(o.duration_s for o in outcomes))
     metrics["max_output_tokens_per_s"] = max(o.peak_output_tokens_per_s for o in outcomes)
     metrics["max_concurrent_requests"] = max(o.peak_concurrent_requests for o in outcomes)
-    stats = [o.experts for o in outcomes]
-    if stats and all(s is not None for s in stats):
-        total = stats[0]
-        for s in stats[1:]:
-            total = total + s
-        metrics |= total.as_dict()
+    experts = total_expert_stats([o.experts for o in outcomes])
+    if experts is not None:
+        metrics |= experts.as_dict()
     return PolicyResult(name, metrics, table, tuple(records))
 
 

@@ -14,7 +14,7 @@ histogram/summary (``..._seconds_sum``). Label sets (engine index, model name) a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -161,6 +161,18 @@ def expert_stats(before: Scrape, after: Scrape, num_layers: int | None) -> Exper
     if not before:
         return None
     return ExpertStats(total.steps, total.active_experts, total.step_seconds, num_layers)
+
+
+def total_expert_stats(parts: Sequence[ExpertStats | None]) -> ExpertStats | None:
+    """The sum over a bench's parts (segments, runs); None unless every part has its stats (a
+    partial sum would understate the cluster's activity)."""
+    known = [p for p in parts if p is not None]
+    if not known or len(known) < len(parts):
+        return None
+    total = known[0]
+    for part in known[1:]:
+        total = total + part
+    return total
 
 
 def metrics_url(worker_url: str) -> str:
