@@ -461,6 +461,17 @@ def test_admin_switches_policy_at_run_time(env: Cluster) -> None:
     assert r.json()["config"]["epsilon"] == 0.5
 
 
+def test_admin_state_shows_every_worker_alike_and_a_decode_workers_own_fields(
+        env: Cluster) -> None:
+    state = env.client.get("/admin/state").json()
+    common = ["index", "url", "in_flight", "healthy", "last_error", "restarts", "self_check",
+              "consecutive_failures", "ejections", "ejected_for_s", "probation", "draining"]
+    assert [list(w) for w in state["prefill_workers"]] == [common] * 2
+    decode = [*common[:4], "clusters", *common[4:]]  # no batch published: no batch fields
+    assert [list(w) for w in state["decode_workers"]] == [decode] * K
+    assert [w["index"] for w in state["decode_workers"]] == list(range(K))
+
+
 def test_admin_switches_artifact(env: Cluster) -> None:
     r = env.client.post("/admin/artifact", json={"version": "v2"})
     assert r.status_code == 200 and r.json()["artifact_version"] == "v2"

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict
+from types import MappingProxyType
 from typing import Any
 
 from starlette.requests import Request
@@ -47,6 +49,23 @@ def _worker_checks(state: ProxyState, role: str, index: int) -> dict[str, Any] |
         return None
     record = state.checks.record(role, index)
     return {"verified": record.verified, "passed": record.passed, "failed": record.failed}
+
+
+def _worker_state(state: ProxyState, role: str, w: WorkerView,
+                  of_role: Mapping[str, Any] = MappingProxyType({})) -> dict[str, Any]:
+    """One worker in ``/admin/state``: what every worker shows, with ``of_role``'s fields
+    (a decode worker's) after its health."""
+    return {
+        "index": w.index,
+        "url": w.url,
+        "in_flight": w.in_flight,
+        "healthy": w.healthy,
+        **of_role,
+        "last_error": w.last_error,
+        "restarts": state.restarts(w.url),
+        "self_check": _worker_checks(state, role, w.index),
+        **_ejection(w),
+    }
 
 
 def _ejection(w: WorkerView) -> dict[str, Any]:
@@ -121,33 +140,11 @@ def snapshot(state: ProxyState) -> dict[str, Any]:
         "block_experts": (state.block_experts.state() if state.block_experts is not None
                           else None),
         "decode_workers": [
-            {
-                "index": w.index,
-                "url": w.url,
-                "in_flight": w.in_flight,
-                "healthy": w.healthy,
-                "clusters": clusters[w.index],
-                **_published(state, w.index),
-                "last_error": w.last_error,
-                "restarts": state.restarts(w.url),
-                "self_check": _worker_checks(state, "decode", w.index),
-                **_ejection(w),
-            }
+            _worker_state(state, "decode", w,
+                          {"clusters": clusters[w.index], **_published(state, w.index)})
             for w in state.decode.views()
         ],
-        "prefill_workers": [
-            {
-                "index": w.index,
-                "url": w.url,
-                "in_flight": w.in_flight,
-                "healthy": w.healthy,
-                "last_error": w.last_error,
-                "restarts": state.restarts(w.url),
-                "self_check": _worker_checks(state, "prefill", w.index),
-                **_ejection(w),
-            }
-            for w in state.prefill.views()
-        ],
+        "prefill_workers": [_worker_state(state, "prefill", w) for w in state.prefill.views()],
     }
 
 
