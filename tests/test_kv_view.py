@@ -113,6 +113,27 @@ def test_a_worker_reuses_only_the_run_of_leading_blocks_it_holds() -> None:
     assert index.held(1) == 0 and index.held(0) == 2
 
 
+def test_leading_runs_and_whole_holds_match_a_block_by_block_count() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        workers = int(rng.integers(1, 9))
+        index = BlockIndex(workers)
+        held = [set(rng.choice(12, size=int(rng.integers(0, 12)), replace=False).tolist())
+                for _ in range(workers)]
+        for w, blocks in enumerate(held):
+            index.stored(w, blocks)
+        hashes = rng.integers(0, 12, size=int(rng.integers(0, 10))).tolist()
+        runs = []
+        for blocks in held:
+            run = 0
+            while run < len(hashes) and hashes[run] in blocks:
+                run += 1
+            runs.append(run)
+        assert index.leading_blocks(hashes).tolist() == runs
+        assert [index.holds_all(w, hashes) for w in range(workers)] == [
+            set(hashes) <= blocks for blocks in held]
+
+
 # --- the view ---
 
 def test_events_fill_the_view_and_a_restart_empties_it() -> None:

@@ -59,14 +59,30 @@ class BlockIndex:
         counts = np.zeros(self.num_workers, dtype=np.int64)
         alive = (1 << self.num_workers) - 1
         holders = self._holders
+        run = 0
         for h in hashes:
-            alive &= holders.get(h, 0)
-            if not alive:
-                break
-            mask, w = alive, 0
-            while mask:
-                if mask & 1:
-                    counts[w] += 1
-                mask >>= 1
-                w += 1
+            now = alive & holders.get(h, 0)
+            if now != alive:
+                # Workers whose run ends here: visited once each, not once per block.
+                _set_bits(counts, alive & ~now, run)
+                alive = now
+                if not alive:
+                    return counts
+            run += 1
+        _set_bits(counts, alive, run)
         return counts
+
+    def holds_all(self, worker: int, hashes: Iterable[int]) -> bool:
+        bit = 1 << worker
+        holders = self._holders
+        return all(holders.get(h, 0) & bit for h in hashes)
+
+
+def _set_bits(counts: np.ndarray, mask: int, value: int) -> None:
+    """``counts[w] = value`` for every bit ``w`` set in ``mask``."""
+    w = 0
+    while mask:
+        if mask & 1:
+            counts[w] = value
+        mask >>= 1
+        w += 1

@@ -88,9 +88,12 @@ class KVView:
     # --- reading ---
 
     def trusted(self) -> np.ndarray:
+        owed_since = self._owed_since
+        if owed_since.count(None) == len(owed_since):
+            return np.ones(len(owed_since), dtype=bool)  # the usual case, read per request
         now = self._clock()
         return np.array([owed is None or now - owed < self.silent_after_s
-                         for owed in self._owed_since])
+                         for owed in owed_since])
 
     def cached_tokens(self, hashes: Sequence[int]) -> np.ndarray:
         """int64 [W]: prompt tokens each worker holds as a cached prefix (0 where untrusted)."""
@@ -105,8 +108,7 @@ class KVView:
     def sent(self, worker: int, hashes: Sequence[int]) -> None:
         """A prompt whose full blocks are ``hashes`` was sent to ``worker``: if it lacks any,
         it will store them, and owes their events."""
-        if len(hashes) > self.index.leading_blocks(hashes)[worker] and (
-                self._owed_since[worker] is None):
+        if self._owed_since[worker] is None and not self.index.holds_all(worker, hashes):
             self._owed_since[worker] = self._clock()
 
     # --- what the worker published ---
