@@ -38,6 +38,8 @@ workers hold hits). For eldr-kv the fake workers publish vLLM's KV events
 (tests.fakes.kv_publisher: block size 128 as on CPU; stand-in block hashes for new prompts, so
 the fakes need no tokenizer, real ones for repeated prompts) and the proxy subscribes to them
 (``--attach-kv-events``); every router measured with it runs on the same publishing fakes.
+The publishers run in the fakes' processes, never the router's, and a KV-aware router's points
+start once its view has replayed what they buffered before it (start-up, not per request).
 
 ``--profile DIR`` samples each eldr router with py-spy (``pip install py-spy``) during every
 point: a flame graph per point in DIR, and the functions with the most CPU printed.
