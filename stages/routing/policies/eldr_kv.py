@@ -52,7 +52,7 @@ from stages.routing.scorers.residual_load import shared_load
 # When a request sets no max_tokens: what a chat answer runs to, roughly.
 DEFAULT_OUTPUT_TOKENS = 256
 # Off by default: simulated 8P16D (GPU-like cost, conversations, seeds 0-4), with a local turn
-# priced as the mean request a cap of 512 or 1,024 sends 6-15% of the later turns local at 4
+# priced as the mean request a cap of 512 or 1,024 sends 5-15% of the later turns local at 4
 # conversations/s, 1% at 10 and 0.3% at 16, and moves their TTFT p50 and all turns' TPOT p99
 # by under 0.5%. Priced blind to the experts it adds, 44-56% went local at 4/s: later turns'
 # TTFT p50 0.58-0.88x but TPOT p99 +7-11% and every request's time summed +1.5% (its history
