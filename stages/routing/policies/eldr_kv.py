@@ -54,9 +54,9 @@ DEFAULT_OUTPUT_TOKENS = 256
 # Off by default: simulated 8P16D (GPU-like cost, conversations, seeds 0-4), with a local turn
 # priced as the mean request a cap of 512 or 1,024 sends 5-15% of the later turns local at 4
 # conversations/s, 1% at 10 and 0.3% at 16, and moves their TTFT p50 and all turns' TPOT p99
-# by under 0.5%. Priced blind to the experts it adds, 44-56% went local at 4/s: later turns'
-# TTFT p50 0.58-0.88x but TPOT p99 +7-11% and every request's time summed +1.5% (its history
-# holder is rarely the worker its decode costs least on; docs/results.md).
+# by under 1% (means over seeds). Priced blind to the experts it adds, 44-56% went local at
+# 4/s: later turns' TTFT p50 0.58-0.88x but TPOT p99 +7-11% and every request's time summed
+# +1.5% (its history holder is rarely the worker its decode costs least on; docs/results.md).
 DEFAULT_LOCAL_PREFILL_BELOW = 0
 # When the decode worker is chosen: after prefill, from its signature (the paper's rule), or
 # at arrival, from the signature at arrival (``stages.routing.arrival_signature``).
