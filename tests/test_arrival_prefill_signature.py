@@ -17,6 +17,7 @@ from stages.routing import policies as routing_policies
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import gpu_like
 from stages.routing.policies import DecodePolicy, RoutingRequest, make_policy
+from stages.serve.proxy.router.decode_router import DecodeRouter, Features
 
 LAYERS, EXPERTS, TOP_K, WORKERS = 4, 16, 2, 3
 
@@ -107,3 +108,20 @@ def test_the_simulator_tells_a_policy_that_chose_at_arrival_each_prefills_signat
     assert sorted(key for key, _ in _Signed.signed) == list(range(len(turns)))
     for key, counts in _Signed.signed:
         np.testing.assert_array_equal(counts, arrays.prefill_counts[int(turns.row[key])])
+
+
+def test_the_proxys_arrival_decision_takes_the_prefills_signature() -> None:
+    exact, other = _counts(6), _counts(7)
+    flat = np.full((LAYERS, EXPERTS), 40 * TOP_K // EXPERTS, np.int32)
+    loads, eligible = np.zeros(WORKERS, np.int64), np.ones(WORKERS, bool)
+    told = DecodeRouter(WORKERS, "eldr-kv", None, model_top_k=TOP_K)
+    told.choose(Features(None, False, other), loads, eligible)
+    decision = told.choose(Features(None, False, flat), loads, eligible)
+    assert decision.on_signature is not None
+    decision.on_signature(Features(None, True))  # no signature from the prefill: kept
+    decision.on_signature(Features(None, False, exact))
+    known = DecodeRouter(WORKERS, "eldr-kv", None, model_top_k=TOP_K)
+    known.policy.on_dispatch(told.policy._members[0][0], _request(other), "running")
+    known.policy.on_dispatch(decision.worker, _request(exact), "new")
+    np.testing.assert_allclose(told.policy._load.distinct, known.policy._load.distinct,
+                               rtol=1e-6)

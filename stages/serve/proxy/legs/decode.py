@@ -179,14 +179,16 @@ async def run_decode(ctx: RequestContext, handoff: Handoff,
                 # What the workers held at arrival, as the choice weighed it: the prompt is
                 # matched against their caches once per decision, and the decision was timed
                 # where it was made (choose_at_arrival).
-                worker, on_complete, kv = chosen
+                worker, on_complete, kv, on_signature = chosen
+                if on_signature is not None:  # the prefill's signature replaces the estimate
+                    on_signature(handoff.features)
                 decided_here = False
             else:
                 if chosen is not None:  # its worker left while the prefill ran
                     chosen.on_complete(chosen.worker)
                 kv = kv_inputs(ctx)
-                worker, on_complete, _ = router.choose(handoff.features, pool.loads(), eligible,
-                                                       kv)
+                worker, on_complete, _, _ = router.choose(handoff.features, pool.loads(),
+                                                          eligible, kv)
                 decided_here = True
             chosen = None
             if kv.cached_tokens is not None and state.kv is not None and ctx.prompt is not None:

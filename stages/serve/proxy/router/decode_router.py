@@ -67,6 +67,10 @@ class Decision(NamedTuple):
     # What the workers held of the prompt when it was chosen: a decision made at arrival
     # carries it to the decode leg, which counts it without matching the prompt again.
     kv: KVInputs = NO_KV
+    # A decision made at arrival, on the signature at arrival: call it with the prefill's
+    # signature once that is there, and the policy counts the request with it
+    # (``DecodePolicy.on_signature``).
+    on_signature: Callable[[Features], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -245,7 +249,17 @@ class DecodeRouter:
         policy.on_dispatch(worker, request, key)
         # Bound to the policy that heard the dispatch: after a switch the old one hears the
         # completion and forgets the request; the new one never counted it.
-        return Decision(worker, partial(policy.on_complete, key=key), kv)
+        return Decision(worker, partial(policy.on_complete, key=key), kv,
+                        partial(self._signed, policy, worker, key))
+
+    def _signed(self, policy: DecodePolicy, worker: int, key: int, features: Features) -> None:
+        """The prefill's signature of a request ``policy`` dispatched to ``worker`` at arrival
+        (bound to that policy, as its completion is)."""
+        if features.vector is None and features.counts is None:
+            return  # the prefill delivered none: the estimate stays
+        policy.on_signature(worker, RoutingRequest(
+            loads=np.zeros(self.num_workers, np.int64), eligible=np.ones(self.num_workers, bool),
+            features=features.vector, counts=features.counts), key)
 
     def choose_local(self, loads: np.ndarray, eligible: np.ndarray, kv: KVInputs,
                      prefill: PrefillRequest) -> Decision | None:
