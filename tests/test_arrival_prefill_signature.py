@@ -18,6 +18,9 @@ from stages.routing.context import RoutingContext
 from stages.routing.cost_model import gpu_like
 from stages.routing.policies import DecodePolicy, RoutingRequest, make_policy
 from stages.serve.proxy.router.decode_router import DecodeRouter, Features
+from tests.fakes.worker import SIGNATURE_SHAPE
+from tests.test_decode_at_arrival import PROMPT, _arrival_with_block_size_known, _record_choices
+from tests.test_kv_view import kv_proxy as kv_proxy  # a fixture, used by name
 
 LAYERS, EXPERTS, TOP_K, WORKERS = 4, 16, 2, 3
 
@@ -125,3 +128,21 @@ def test_the_proxys_arrival_decision_takes_the_prefills_signature() -> None:
     known.policy.on_dispatch(decision.worker, _request(exact), "new")
     np.testing.assert_allclose(told.policy._load.distinct, known.policy._load.distinct,
                                rtol=1e-6)
+
+
+def test_the_proxy_hands_the_prefills_signature_to_the_policy_that_chose_at_arrival(
+    kv_proxy, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    state, behaviors, client = kv_proxy
+    _arrival_with_block_size_known(state, client)
+    calls = _record_choices(state, behaviors)
+    policy = state.router.policy
+    signed: list[tuple[int, np.ndarray | None]] = []
+    monkeypatch.setattr(policy, "on_signature",
+                        lambda worker, request, key: signed.append((worker, request.counts)))
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8})
+    assert r.is_success
+    assert len(calls) == 1 and len(signed) == 1
+    worker, counts = signed[0]
+    assert worker == calls[0].worker
+    assert counts is not None and counts.shape == SIGNATURE_SHAPE
