@@ -46,7 +46,14 @@ class ZmqInbox:
 
     def recv(self) -> list[bytes]:
         """The next queued message; raises zmq.Again when none is."""
-        return self.socket.recv_multipart(zmq.NOBLOCK)
+        # Frames tell whether more follow, without recv_multipart's getsockopt per frame
+        # (the rest of a multipart message is always there once its first frame is).
+        frame = self.socket.recv(zmq.NOBLOCK, copy=False)
+        parts = [frame.bytes]
+        while frame.more:
+            frame = self.socket.recv(zmq.NOBLOCK, copy=False)
+            parts.append(frame.bytes)
+        return parts
 
     def close(self) -> None:
         self._loop.remove_reader(self._fd)
