@@ -252,6 +252,42 @@ def test_a_request_its_decode_worker_prefills_itself_answers_as_the_pd_path(
     assert on_pd_path and prefilled_locally == on_pd_path
 
 
+def test_a_decode_worker_chosen_at_arrival_answers_as_one_chosen_after_prefill(
+    deployment: Deployment
+) -> None:
+    """eldr-kv's ``decode_choice: "arrival"`` on real workers: the decode worker is chosen
+    before the prefill (once per request), the KV hand-off goes to it, a conversation's next
+    turn goes to the worker holding its history, and the greedy answers are the ones the
+    paper's after-prefill choice gives for the same prompts."""
+    first = uuid.uuid4().hex + " The board listed the wells it tested in each district." * 20
+
+    def turns() -> list[str]:
+        answers, prompt = [], first
+        for turn in range(2):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            before = _proxy_cached(deployment, "decode")
+            decisions = _counters((deployment.proxy_url,), "eldr_router_decisions_total")
+            response = httpx.post(f"{deployment.proxy_url}/v1/completions", json=body,
+                                  timeout=120)
+            response.raise_for_status()
+            answers.append(response.json()["choices"][0]["text"])
+            assert _counters((deployment.proxy_url,),
+                             "eldr_router_decisions_total") == decisions + 1
+            if turn:  # the decode worker that holds the history was chosen
+                assert _proxy_cached(deployment, "decode") > before
+            _events_settled(deployment)
+            prompt += answers[-1] + " Which of them failed the nitrate limit?"
+        return answers
+
+    try:
+        _set_eldr_kv(deployment, decode_choice="arrival", local_prefill_below=0)
+        at_arrival = turns()
+        _set_eldr_kv(deployment, decode_choice="after-prefill")
+        assert turns() == at_arrival and all(at_arrival)
+    finally:
+        _set_eldr_kv(deployment, decode_choice="after-prefill")
+
+
 def _signature_answer(url: str, prompt: str, kv: dict | None = None) -> dict:
     """``url``'s ``kv_transfer_params`` for ``prompt`` (greedy, one token)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
