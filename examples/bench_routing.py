@@ -28,6 +28,7 @@ prompt no worker holds any block of (only its head is encoded: ``KVRouting.promp
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -155,6 +156,10 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
     prefill_loads = np.zeros(prefill_workers, np.int64)
     prefill_eligible = np.ones(prefill_workers, bool)
     running: deque[Decision] = deque()
+    # As the proxy does once it has started (stages/serve/proxy/app.py): what start-up built
+    # is frozen, so the collector walks only what the decisions allocate.
+    gc.collect()
+    gc.freeze()
     clock = time.perf_counter_ns
     warmup, count = 200, min(args.requests, 3000)
     us = np.empty(count)
