@@ -54,7 +54,7 @@ class FakeKVPublisher:
         self.tokenizer = None if model is None else PromptTokenizer(model)
         self.hasher = BlockHasher("sha256")
         self._held: dict[int, None] = {}  # the blocks held, oldest first
-        self._hashes: dict[tuple[bool, str], list[int]] = {}
+        self._hashes: dict[tuple[bool, str], tuple[list[int], list[int]]] = {}
         self._topic = topic.encode()
         self._encode = msgspec.msgpack.Encoder().encode
         self._seq = 0
@@ -75,22 +75,30 @@ class FakeKVPublisher:
 
     def hashes(self, body: dict[str, Any], chat: bool) -> list[int]:
         """The full blocks' hashes of ``body``'s prompt, as the worker computes them."""
+        return self._blocks(body, chat)[0]
+
+    def _blocks(self, body: dict[str, Any], chat: bool) -> tuple[list[int], list[int]]:
+        """The prompt's full blocks' hashes and its token ids (none with stand-in hashes)."""
         key = (chat, prompt_key(body))
         if self.tokenizer is None:
-            return stand_in_hashes(key[1], self.block_size, self.chars_per_token)
+            return stand_in_hashes(key[1], self.block_size, self.chars_per_token), []
         found = self._hashes.get(key)
         if found is None:
             ids = self.tokenizer.chat(body) if chat else self.tokenizer.completion(body)
-            found = [] if ids is None else self.hasher.hashes(ids, self.block_size)
+            ids = ids or []
+            found = (self.hasher.hashes(ids, self.block_size), ids)
             if len(self._hashes) >= _HASHES_MAX:
                 self._hashes.clear()
             self._hashes[key] = found
         return found
 
     def ran(self, body: dict[str, Any], chat: bool) -> None:
-        """The worker ran ``body``'s prompt: it stored the full blocks it lacked."""
+        """The worker ran ``body``'s prompt: it stored the full blocks it lacked, from the
+        first of them on, as vLLM's event tells (their parent, their token ids)."""
         held = self._held
-        new = [h for h in self.hashes(body, chat) if h not in held]
+        hashes, ids = self._blocks(body, chat)
+        first = next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+        new = hashes[first:]
         if not new:
             return
         for h in new:
@@ -98,9 +106,11 @@ class FakeKVPublisher:
         evicted = list(itertools.islice(held, max(0, len(held) - self.capacity)))
         for h in evicted:
             del held[h]
-        events = [{"type": "BlockStored", "block_hashes": new, "parent_block_hash": None,
-                   "token_ids": [], "block_size": self.block_size, "lora_id": None,
-                   "medium": "GPU", "lora_name": None}]
+        size = self.block_size
+        events = [{"type": "BlockStored", "block_hashes": new,
+                   "parent_block_hash": hashes[first - 1] if first else None,
+                   "token_ids": ids[first * size:len(hashes) * size], "block_size": size,
+                   "lora_id": None, "medium": "GPU", "lora_name": None}]
         if evicted:
             events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "GPU"})
         self.send(events)

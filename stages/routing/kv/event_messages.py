@@ -19,6 +19,9 @@ _LOW_64 = (1 << 64) - 1
 class BlockStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[int | bytes]
     block_size: int
+    parent_block_hash: int | bytes | None = None
+    # Left undecoded: read only for a sequence's first block (``first_ids``).
+    token_ids: msgspec.Raw = msgspec.Raw()
     group_idx: int | None = None
 
 
@@ -47,6 +50,17 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     """Raises msgspec.DecodeError on anything but a KV event batch (an event of an unknown
     type included: it may have changed blocks the index would not know of)."""
     return _DECODER.decode(payload)
+
+
+_IDS = msgspec.msgpack.Decoder(list[int])
+
+
+def first_ids(event: BlockStored) -> list[int] | None:
+    """The token ids of the first block of a sequence this event stores; None where it stores
+    later blocks only (or carries no ids)."""
+    if event.parent_block_hash is not None:
+        return None
+    return _IDS.decode(event.token_ids)[:event.block_size] if event.token_ids else []
 
 
 def external_hashes(hashes: list[int | bytes]) -> list[int]:

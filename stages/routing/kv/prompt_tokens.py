@@ -52,6 +52,11 @@ class PromptTokenizer:
         """The Rust tokenizer, where it encodes as the tokenizer does; else None."""
         return self._backend
 
+    @property
+    def head_specials(self) -> list[int]:
+        """The ids the tokenizer adds before every completion prompt's text (a BOS)."""
+        return [] if self._specials is None else self._specials[0]
+
     def completion(self, body: dict[str, Any]) -> list[int] | None:
         return self.ids(self.render(body, chat=False))
 

@@ -36,6 +36,7 @@ from stages.routing.kv.event_messages import (
     KVEvent,
     decode_batch,
     external_hashes,
+    first_ids,
 )
 from stages.serve.proxy.view.zmq_inbox import ZmqInbox
 
@@ -67,8 +68,12 @@ class KVView:
     """The KV blocks each worker of one pool holds (HTTP-free; the follower feeds it)."""
 
     def __init__(self, num_workers: int, silent_after_s: float = DEFAULT_SILENT_AFTER_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 first_blocks: Callable[[list[int], int], None] | None = None) -> None:
+        """``first_blocks``: told the token ids of every sequence's first block stored (and
+        the block size)."""
         self.index = BlockIndex(num_workers)
+        self._first_blocks = first_blocks
         self.block_size: int | None = None  # learned from the first stored block
         self.silent_after_s = silent_after_s
         self._clock = clock
@@ -154,6 +159,10 @@ class KVView:
         elif type(event) is BlockStored:
             self.block_size = event.block_size
             self.index.stored(worker, external_hashes(event.block_hashes))
+            if self._first_blocks is not None:
+                ids = first_ids(event)
+                if ids is not None:
+                    self._first_blocks(ids, event.block_size)
         else:
             self.index.removed(worker, external_hashes(event.block_hashes))
 

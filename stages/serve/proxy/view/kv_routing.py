@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stages.routing.kv.block_hashes import BlockHasher
+from stages.routing.kv.first_block_texts import FirstBlockTexts
 from stages.routing.kv.known_texts import Encoded, KnownTexts
 from stages.routing.kv.prompt_tokens import PromptTokenizer, Rendered
 from stages.serve.proxy.config import KVConfig
@@ -34,6 +35,10 @@ class Prompt(NamedTuple):
 HEAD_CHARS_PER_TOKEN = 8
 # ... of which the first block's ids must lie this many tokens before the cut.
 HEAD_MARGIN_TOKENS = 16
+# Text whose tokens a character start the estimate of a prompt held nowhere, until prompts
+# encoded since take over.
+LENGTH_SAMPLE = ("The committee reviewed the annual report on water quality in each district,"
+                 " and asked which wells were tested in spring and which failed the limit.")
 # Heads whose first block is known, most recent kept: ~1 KB of text each at block size 128.
 MAX_HEADS = 8192
 
@@ -43,13 +48,23 @@ class KVRouting:
         self.config = config
         self.tokenizer = PromptTokenizer(config.tokenizer)
         self.hasher = BlockHasher(config.hash_algo)
-        self.prefill = KVView(len(config.prefill_events), config.silent_after_s)
-        self.decode = KVView(len(config.decode_events), config.silent_after_s)
+        backend = self.tokenizer.backend
+        self.first_texts = None if backend is None else FirstBlockTexts(
+            backend, self.tokenizer.head_specials)
+        stored = None if self.first_texts is None else self.first_texts.stored
+        self.prefill = KVView(len(config.prefill_events), config.silent_after_s,
+                              first_blocks=stored)
+        self.decode = KVView(len(config.decode_events), config.silent_after_s,
+                             first_blocks=stored)
         # Prompt tokens each prefill worker has yet to compute for the requests sent to it:
         # its queue, in the currency of prefill time.
         self.prefill_queued = np.zeros(len(config.prefill_events), dtype=np.int64)
         self._first_blocks: OrderedDict[tuple[Any, ...], tuple[int, int]] = OrderedDict()
-        backend = self.tokenizer.backend
+        # Tokens a character, as the prompts encoded so far had them: a prompt held nowhere is
+        # priced by its length in characters alone.
+        sample = self.tokenizer.completion({"prompt": LENGTH_SAMPLE,
+                                            "add_special_tokens": False}) or []
+        self._tokens_per_char = len(sample) / len(LENGTH_SAMPLE)
         self.texts = None if backend is None else KnownTexts(backend)
 
     def sources(self, role: str) -> list[KVEventSource | None]:
@@ -77,6 +92,9 @@ class KVRouting:
         text = rendered.text
         chars = HEAD_CHARS_PER_TOKEN * block_size
         if not all_ids and text is not None and len(text) > 2 * chars:
+            if self.first_texts is not None and not self.first_texts.may_be_held(text):
+                return Prompt(len(rendered.before) + round(len(text) * self._tokens_per_char),
+                              [], block_size)
             first = self._first_block(rendered, text[:chars], block_size, salt)
             if first is not None and not self._held_anywhere(first[0]):
                 return Prompt(round(first[1] * len(text) / chars), [], block_size)
@@ -88,6 +106,10 @@ class KVRouting:
         if ids is None:
             return None
         return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size, ids)
+
+    def _learn_length(self, tokens: int, chars: int) -> None:
+        if chars:
+            self._tokens_per_char += 0.05 * (tokens / chars - self._tokens_per_char)
 
     def _held_anywhere(self, block_hash: int) -> bool:
         return (self.prefill.index.held_anywhere(block_hash)
@@ -142,6 +164,7 @@ class KVRouting:
         assert self.texts is not None
         encoded: Encoded = self.texts.encode(text)
         self.texts.remember(key, text, encoded)
+        self._learn_length(len(encoded.ids), len(text))
         ids = [*before, *encoded.ids]
         return Prompt(len(ids), self.hasher.hashes(ids, block_size, salt), block_size, ids)
 
@@ -156,6 +179,7 @@ class KVRouting:
             self._first_blocks.move_to_end(key)
             return known
         head = self.tokenizer.head_ids(rendered, len(head_text))
+        self._learn_length(len(head) - len(rendered.before), len(head_text))
         # A cut can change the ids of the word it falls in, never of the words before.
         if len(head) < block_size + HEAD_MARGIN_TOKENS:
             return None

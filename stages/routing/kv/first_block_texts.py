@@ -1,0 +1,88 @@
+"""Which texts a held first block can start: a new prompt that starts like none of them is held
+nowhere, and needs no tokenizing to be matched.
+
+A request's blocks can be held only if its first block is, and vLLM's KV events carry the token
+ids of every stored block whose parent is none (a sequence's first). Decoded once per such
+block, the first ``KEY_CHARS`` characters of its text are kept; a prompt whose text does not
+start with any kept key cannot have its first block held anywhere, and is routed on its length
+alone without encoding even its head (about 0.2 ms of a 2,000-token prompt's decision, as much
+as all the rest of eldr-union's). A prompt that starts like a key is matched as before: the
+key only rules out.
+
+Ruling out is sound where the tokenizer's decoding gives back the very text it encoded (byte-
+level BPE, SentencePiece without a normalizer): checked on sample texts when this is built,
+and off otherwise. Keys are kept most recent first and bounded; one forgotten while its block
+is held would only cost that prompt's hit, and a key kept after its block went only an encode.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Characters of a first block's text kept as its key: long enough that unrelated prompts
+# rarely share one, short enough that a block of 16 tokens (a GPU's) has them.
+KEY_CHARS = 24
+DEFAULT_MAX_KEYS = 1 << 16
+_SAMPLES = (
+    "The committee reviewed the annual report on water quality in each district.",
+    "  Leading spaces, ünïcödé, 漢字 and digits 0123456789 in one line\n\nthen another.",
+)
+
+
+class FirstBlockTexts:
+    def __init__(self, backend: Any, head_specials: Sequence[int] = (),
+                 max_keys: int = DEFAULT_MAX_KEYS) -> None:
+        """``backend``: a Rust ``tokenizers.Tokenizer``; ``head_specials``: the ids the
+        tokenizer puts before a completion prompt's text (a BOS), absent from its text."""
+        self._backend = backend
+        self._head = list(head_specials)
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        # Texts of first blocks shorter than a key, by length (a GPU's 16-token blocks of
+        # CJK text): each length is one slice and lookup.
+        self._short: dict[int, set[str]] = {}
+        self._max_keys = max_keys
+        self.enabled = all(self._round_trips(text) for text in _SAMPLES)
+
+    def stored(self, first_block_ids: Sequence[int], block_size: int) -> None:
+        """A worker stored a sequence's first block of these ids. A publisher that leaves
+        them out (or sends fewer than a block) leaves nothing to rule out by: off for good."""
+        ids = list(first_block_ids)
+        if len(ids) < block_size:
+            if self.enabled:
+                log.info("a worker's KV events carry no token ids: every prompt is tokenized"
+                         " to be matched")
+            self.enabled = False
+            return
+        variants = [ids]
+        if self._head and ids[:len(self._head)] == self._head:
+            variants.append(ids[len(self._head):])  # a completion's text lacks its BOS
+        for variant in variants:
+            # A block's last id may be part of a character: what precedes it is exact.
+            text = self._backend.decode(variant, skip_special_tokens=False).rstrip("\ufffd")
+            if len(text) < KEY_CHARS:
+                self._short.setdefault(len(text), set()).add(text)
+                continue
+            key = text[:KEY_CHARS]
+            if key in self._keys:
+                self._keys.move_to_end(key)
+            else:
+                self._keys[key] = None
+                if len(self._keys) > self._max_keys:
+                    self._keys.popitem(last=False)
+
+    def may_be_held(self, text: str) -> bool:
+        """False where no held first block can start ``text`` (or this is off: True)."""
+        if not self.enabled or text[:KEY_CHARS] in self._keys:
+            return True
+        return any(text[:n] in texts for n, texts in self._short.items())
+
+    def _round_trips(self, text: str) -> bool:
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return all(text.startswith(
+            self._backend.decode(ids[:n], skip_special_tokens=False).rstrip("\ufffd"))
+            for n in range(1, len(ids) + 1))
