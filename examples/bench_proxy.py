@@ -36,7 +36,8 @@ bundled ``tiny``'s tokenizer): single-turn traffic, nothing cached anywhere, so 
 tokenizes and hashes every prompt cold; with ``--repeat-prompts`` the 16 texts repeat (what the
 workers hold hits). For eldr-kv the fake workers publish vLLM's KV events
 (tests.fakes.kv_publisher: block size 128 as on CPU; stand-in block hashes for new prompts, so
-the fakes need no tokenizer, real ones for repeated prompts) and the proxy subscribes to them
+the fakes tokenize only a new prompt's head, for its first block's ids, and real hashes for
+repeated prompts) and the proxy subscribes to them
 (``--attach-kv-events``); every router measured with it runs on the same publishing fakes.
 The publishers run in the fakes' processes, never the router's, and a KV-aware router's points
 start once its view has replayed what they buffered before it (start-up, not per request).
@@ -153,7 +154,9 @@ def serve_fakes(ports: list[int], tokens: int, pace_s: float,
     behaviors = [fake(batch_ports[i] if batch_ports else None) for i in range(len(ports))]
     # Stand-in block hashes (kv_model None) where every prompt is new: tokenizing each would
     # cost the fakes the router's cores. Repeated prompts get real ones, hashed once each.
-    kv = [FakeKVPublisher(e, kv_model, chars_per_token=chars_per_token)
+    # Their first blocks' ids, as vLLM's events carry them, from each prompt's head alone.
+    heads = str(BUNDLED_MODELS_DIR / "tiny")
+    kv = [FakeKVPublisher(e, kv_model, chars_per_token=chars_per_token, head_model=heads)
           for e in kv_events or []]
     lean_worker.serve([lean_worker.listening_socket(port) for port in ports], behaviors, kv)
 

@@ -47,8 +47,11 @@ class FakeKVPublisher:
 
     def __init__(self, endpoint: str, model: str | None, block_size: int = CPU_BLOCK_SIZE,
                  capacity: int = 4096, chars_per_token: float = 4.0, topic: str = "kv",
-                 buffer: int = 10_000) -> None:
+                 buffer: int = 10_000, head_model: str | None = None) -> None:
+        """``head_model``: with stand-in hashes (``model`` None), a tokenizer that encodes
+        only a prompt's head, for the first block's token ids vLLM's events carry."""
         self.block_size = block_size
+        self.heads = None if head_model is None else PromptTokenizer(head_model)
         self.capacity = capacity
         self.chars_per_token = chars_per_token
         self.tokenizer = None if model is None else PromptTokenizer(model)
@@ -107,6 +110,12 @@ class FakeKVPublisher:
         for h in evicted:
             del held[h]
         size = self.block_size
+        if not ids and first == 0 and self.heads is not None:
+            # Stand-in hashes: the first block's ids alone, from the prompt's head (vLLM's
+            # event carries every new block's; the proxy reads only a first block's).
+            rendered = self.heads.render(body, chat)
+            if rendered is not None:
+                ids = self.heads.head_ids(rendered, 8 * size)[:size]
         events = [{"type": "BlockStored", "block_hashes": new,
                    "parent_block_hash": hashes[first - 1] if first else None,
                    "token_ids": ids[first * size:len(hashes) * size], "block_size": size,

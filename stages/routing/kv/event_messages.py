@@ -55,11 +55,8 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 _IDS = msgspec.msgpack.Decoder(list[int])
 
 
-def first_ids(event: BlockStored) -> list[int] | None:
-    """The token ids of the first block of a sequence this event stores; None where it stores
-    later blocks only (or carries no ids)."""
-    if event.parent_block_hash is not None:
-        return None
+def first_ids(event: BlockStored) -> list[int]:
+    """The token ids of this event's first block (none where it carries none)."""
     return _IDS.decode(event.token_ids)[:event.block_size] if event.token_ids else []
 
 

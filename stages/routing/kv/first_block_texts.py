@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from stages.routing.kv.event_messages import BlockStored, first_ids
+
 log = logging.getLogger(__name__)
 
 # Characters of a first block's text kept as its key: long enough that unrelated prompts
@@ -42,11 +44,26 @@ class FirstBlockTexts:
         self._backend = backend
         self._head = list(head_specials)
         self._keys: OrderedDict[str, None] = OrderedDict()
+        self._seen: OrderedDict[int | bytes, None] = OrderedDict()  # first blocks read
         # Texts of first blocks shorter than a key, by length (a GPU's 16-token blocks of
         # CJK text): each length is one slice and lookup.
         self._short: dict[int, set[str]] = {}
         self._max_keys = max_keys
         self.enabled = all(self._round_trips(text) for text in _SAMPLES)
+
+    def stored_event(self, event: BlockStored) -> None:
+        """A worker's ``BlockStored``: a sequence's first block is read once, whichever
+        workers store it (a prompt's prefill worker, then its decode worker)."""
+        if event.parent_block_hash is not None or not event.block_hashes:
+            return
+        first = event.block_hashes[0]
+        if first in self._seen:
+            self._seen.move_to_end(first)
+            return
+        self._seen[first] = None
+        if len(self._seen) > self._max_keys:
+            self._seen.popitem(last=False)
+        self.stored(first_ids(event), event.block_size)
 
     def stored(self, first_block_ids: Sequence[int], block_size: int) -> None:
         """A worker stored a sequence's first block of these ids. A publisher that leaves

@@ -36,7 +36,6 @@ from stages.routing.kv.event_messages import (
     KVEvent,
     decode_batch,
     external_hashes,
-    first_ids,
 )
 from stages.serve.proxy.view.zmq_inbox import ZmqInbox
 
@@ -69,9 +68,9 @@ class KVView:
 
     def __init__(self, num_workers: int, silent_after_s: float = DEFAULT_SILENT_AFTER_S,
                  clock: Callable[[], float] = time.monotonic,
-                 first_blocks: Callable[[list[int], int], None] | None = None) -> None:
-        """``first_blocks``: told the token ids of every sequence's first block stored (and
-        the block size)."""
+                 first_blocks: Callable[[BlockStored], None] | None = None) -> None:
+        """``first_blocks``: told every ``BlockStored`` (it reads a sequence's first block's
+        token ids, the only ones the proxy reads)."""
         self.index = BlockIndex(num_workers)
         self._first_blocks = first_blocks
         self.block_size: int | None = None  # learned from the first stored block
@@ -160,9 +159,7 @@ class KVView:
             self.block_size = event.block_size
             self.index.stored(worker, external_hashes(event.block_hashes))
             if self._first_blocks is not None:
-                ids = first_ids(event)
-                if ids is not None:
-                    self._first_blocks(ids, event.block_size)
+                self._first_blocks(event)
         else:
             self.index.removed(worker, external_hashes(event.block_hashes))
 

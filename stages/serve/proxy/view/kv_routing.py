@@ -51,7 +51,7 @@ class KVRouting:
         backend = self.tokenizer.backend
         self.first_texts = None if backend is None else FirstBlockTexts(
             backend, self.tokenizer.head_specials)
-        stored = None if self.first_texts is None else self.first_texts.stored
+        stored = None if self.first_texts is None else self.first_texts.stored_event
         self.prefill = KVView(len(config.prefill_events), config.silent_after_s,
                               first_blocks=stored)
         self.decode = KVView(len(config.decode_events), config.silent_after_s,
