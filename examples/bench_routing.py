@@ -33,6 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 from threadpoolctl import threadpool_limits
 
@@ -160,6 +161,7 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
     # is frozen, so the collector walks only what the decisions allocate.
     gc.collect()
     gc.freeze()
+    encode = msgspec.msgpack.Encoder().encode
     clock = time.perf_counter_ns
     warmup, count = 200, min(args.requests, 3000)
     us = np.empty(count)
@@ -189,8 +191,11 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
         ids = kv.tokenizer.ids(kv.tokenizer.render(body, chat))
         assert ids is not None
         held = kv.hasher.hashes(ids, block, None)
-        kv.prefill.index.stored(prefill, held)
-        kv.decode.index.stored(decision.worker, held)
+        stored = encode([0.0, [{"type": "BlockStored", "block_hashes": held,
+                                "parent_block_hash": None, "token_ids": ids[:len(held) * block],
+                                "block_size": block}], None])
+        for view, worker in ((kv.prefill, prefill), (kv.decode, decision.worker)):
+            view.apply(worker, i + 1, stored)  # as the worker's KV event would, ids included
         loads[decision.worker] += 1
         running.append(decision)
         if len(running) > args.workers * args.in_flight:
