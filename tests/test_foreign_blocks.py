@@ -131,3 +131,20 @@ def test_a_pulled_prompts_tail_block_is_no_expert_event_after_nixl_clears_the_fl
     assert ledger.plan(_step("r", 6, 2, [], False, 6)).block_snapshots == {}
     plan = ledger.plan(_step("r", 8, 4, [3], False, 6))
     assert plan.block_snapshots == {external_hash(HASHES[2]): 3}
+
+
+def test_a_pulled_requests_decode_steps_are_counted_not_skipped() -> None:
+    """With foreign blocks on the worker (its pulled prompts), a decode step that starts
+    inside a block is counted as decode, not skipped as a prefix hit's recomputed token (a
+    block index once shadowed the first-step flag, and every such step was skipped: the real
+    suite's decode counts came out zero)."""
+    ledger = SignatureLedger(block_size=4, shape=None, count_decode=True)
+    ledger.admitted("pd", [10, 11, 12], remote=True)
+    ledger.admitted("pd", [], remote=False)
+    first = ledger.plan(_step("pd", 7, 1, [10, 11, 12], True, 8))  # the last prompt token
+    assert first.skip_slots == [11 * 4 + 3] and not first.decode_slots
+    ledger.apply(None)
+    for position in (8, 9, 10):  # decode tokens, block 12's slots 0-2
+        plan = ledger.plan(_step("pd", position, 1, [], False, 8))
+        assert plan.skip_slots == [] and plan.decode_slots == {"pd": [12 * 4 + position - 8]}
+        ledger.apply(None)

@@ -184,8 +184,9 @@ class SignatureLedger:
         if self._foreign:
             # The worker resets the row of every block whose slot 0 this step computes.
             bs = self.block_size
-            first, last = -(-start // bs), min(-(-end // bs), len(tracked.block_ids))
-            self._foreign.difference_update(tracked.block_ids[first:last])
+            computed_from = -(-start // bs)
+            upto = min(-(-end // bs), len(tracked.block_ids))
+            self._foreign.difference_update(tracked.block_ids[computed_from:upto])
         decode_start = max(start, tracked.prompt_len)
         if (self.count_decode or tracked.record_as is not None) and decode_start < end:
             plan.decode_slots[req_id] = [self._slot(tracked, p) for p in range(decode_start, end)]
