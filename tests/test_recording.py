@@ -116,6 +116,33 @@ def test_finished_requests_travel_with_the_batch_and_bad_ones_are_refused() -> N
         build_record(row)
 
 
+def test_shutdown_waits_for_counts_on_their_way_and_counts_the_ones_that_never_come(
+        tmp_path: Path) -> None:
+    import asyncio
+
+    from stages.serve.proxy.recording.recorder import TrafficRecorder
+
+    recorder = TrafficRecorder(RecordConfig(tmp_path / "t.zarr"), ModelIdentity("m", 2, 4, 2),
+                               "m", "v")
+    signature = {wire.SIGNATURE_KEY: _row("x").prefill[wire.SIGNATURE_KEY],
+                 wire.SHAPE_KEY: [2, 4]}
+    for name in ("late", "never"):
+        assert recorder.begin(name, signature, b"p", time.monotonic())
+
+    async def shutdown() -> int:
+        # "late"'s counts come 0.3 s into the wait, as a busy worker's publication would.
+        asyncio.get_running_loop().call_later(0.3, recorder.finished, FinishedRequest.measured(
+            "late", 8, 4, np.ones((2, 4), dtype=np.int32)))
+        return await recorder.settle(timeout_s=1.0)
+
+    assert asyncio.run(shutdown()) == 1
+    summary = recorder.summary()
+    assert (summary["waiting"], summary["unwritten"]) == (0, 1)
+    assert summary["dropped"]["never_finished"] == 1
+    recorder.close()
+    assert SignatureDataset.open(tmp_path / "t.zarr").read().ids.tolist() == ["late"]
+
+
 def _row(name: str, shape: tuple[int, int] = (2, 4), decode: dict | None = None) -> RecordedRow:
     counts = wire.encode(np.ones(shape, dtype=np.int32))
     return RecordedRow(name, counts, counts if decode is None else decode, b"p", False, 8, 4,

@@ -43,6 +43,8 @@ from stages.serve.proxy.view.kv_events import KVEventSource, follow_kv_events
 from stages.serve.proxy.view.published_batches import follow_batches
 
 log = logging.getLogger(__name__)
+# How long shutdown waits for the decode counts of recorded requests that already ended.
+RECORD_SETTLE_S = 15.0
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:
@@ -101,8 +103,14 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
             yield
         finally:
             if state.recorder is not None:
-                # Requests that ended in the drain: their counts are one publication away.
-                await state.recorder.settle(timeout_s=2.0)
+                # Requests that ended in the drain: their counts are one publication away,
+                # seconds where the workers share busy cores. The wait ends as soon as they
+                # are in, so only a worker that died mid-request makes shutdown wait it out.
+                lost = await state.recorder.settle(timeout_s=RECORD_SETTLE_S)
+                if lost:
+                    log.warning("recording: %d requests' decode counts did not come within"
+                                " %.0f s of shutdown; their rows are not written", lost,
+                                RECORD_SETTLE_S)
             for task in tasks:
                 task.cancel()
             # Crashes were logged by _report_crash; here we only wait for the cancellations.

@@ -146,11 +146,17 @@ class TrafficRecorder:
             await asyncio.sleep(self._handover_s)
             self._hand_over()
 
-    async def settle(self, timeout_s: float) -> None:
-        """Wait (up to ``timeout_s``) for the counts of requests that already ended."""
+    async def settle(self, timeout_s: float) -> int:
+        """Wait (up to ``timeout_s``) for the counts of requests that already ended; returns
+        how many never came. Those are counted as never finished: their rows are lost, and the
+        summary and the caller say so."""
         deadline = time.monotonic() + timeout_s
         while self._pending and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        left = len(self._pending)
+        self.forgotten += left
+        self._pending.clear()
+        return left
 
     def close(self) -> None:
         """Write every complete row (the event loop no longer runs ``finished``)."""
