@@ -85,11 +85,13 @@ def test_a_prompt_no_first_block_starts_is_matched_without_tokenizing(kv, monkey
     new = "An unrelated question about the river crossings survey. " * 40
     prompt = kv.prompt({"prompt": new}, chat=False)
     assert prompt is not None and prompt.hashes == [] and encoded == []
+    assert prompt.unhashed  # its worker will store blocks the proxy cannot name
     whole = len(_ids(kv, {"prompt": new}, chat=False))
     assert abs(prompt.tokens - whole) <= 0.3 * whole  # from its length in characters
     # One that starts as the held prompt does is tokenized and matched.
     same_start = kv.prompt({"prompt": system + "Which districts failed? " * 40}, chat=False)
     assert same_start is not None and encoded
+    assert not same_start.unhashed  # encoded whole: every block named
     assert kv.prefill.cached_tokens(same_start.reusable).tolist()[0] > 0
 
 

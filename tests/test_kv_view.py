@@ -170,6 +170,18 @@ def test_a_worker_that_owes_events_or_sends_garbage_is_untrusted_until_it_publis
     assert view.state()[0]["trusted"] is False
 
 
+def test_a_prompt_matched_from_its_head_alone_owes_events_whatever_its_worker_holds() -> None:
+    clock = Clock()
+    view = KVView(2, silent_after_s=5.0, clock=clock)
+    view.apply(0, 0, batch(stored([1, 2])))
+    view.apply(1, 0, batch(stored([1, 2])))
+    # No blocks known (held nowhere) or only the held ones: its new blocks will be stored.
+    view.sent(0, [], unhashed=True)
+    view.sent(1, [1, 2], unhashed=True)
+    clock.now = 6.0
+    assert view.trusted().tolist() == [False, False]  # a stream that died is found out
+
+
 def test_a_gap_the_replay_cannot_fill_clears_the_workers_blocks() -> None:
     view = KVView(1)
     view.apply(0, 0, batch(stored([1])))

@@ -92,7 +92,8 @@ async def run_local(ctx: RequestContext) -> Local:
         return Local(None, ctx, kv)
     worker = decision.worker
     assert ctx.prompt is not None and state.kv is not None  # kv_inputs found both
-    state.kv.decode.sent(worker, ctx.prompt.hashes)  # it computes and stores what it lacks
+    # It computes and stores what it lacks.
+    state.kv.decode.sent(worker, ctx.prompt.hashes, ctx.prompt.unhashed)
     state.metrics.local_prefills.inc()
     state.metrics.decisions.labels(state.router.policy_name, pool.name(worker)).inc()
     tag = ctx.request_id if pool.published is not None else None
@@ -192,7 +193,8 @@ async def run_decode(ctx: RequestContext, handoff: Handoff,
                 decided_here = True
             chosen = None
             if kv.cached_tokens is not None and state.kv is not None and ctx.prompt is not None:
-                state.kv.decode.sent(worker, ctx.prompt.hashes)  # it pulls and stores what it lacks
+                # It pulls and stores what it lacks.
+                state.kv.decode.sent(worker, ctx.prompt.hashes, ctx.prompt.unhashed)
                 metrics.kv_prompt_tokens.labels("decode").inc(kv.prompt_tokens)
                 metrics.kv_cached_tokens.labels("decode").inc(int(kv.cached_tokens[worker]))
             if decided_here:  # each decision is timed once, where it is made

@@ -121,6 +121,6 @@ def choose_prefill(ctx: RequestContext, eligible: np.ndarray) -> tuple[int, int]
             kv.prefill_queued[worker] += lacking
             state.metrics.kv_prompt_tokens.labels("prefill").inc(prompt.tokens)
             state.metrics.kv_cached_tokens.labels("prefill").inc(prompt.tokens - lacking)
-            kv.prefill.sent(worker, prompt.hashes)
+            kv.prefill.sent(worker, prompt.hashes, prompt.unhashed)
             return worker, lacking
     return state.prefill_router.choose(ctx.legs.key, pool.loads(), eligible), 0

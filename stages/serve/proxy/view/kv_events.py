@@ -109,10 +109,14 @@ class KVView:
 
     # --- what the proxy did ---
 
-    def sent(self, worker: int, hashes: Sequence[int]) -> None:
+    def sent(self, worker: int, hashes: Sequence[int], unhashed: bool = False) -> None:
         """A prompt whose full blocks are ``hashes`` was sent to ``worker``: if it lacks any,
-        it will store them, and owes their events."""
-        if self._owed_since[worker] is None and not self.index.holds_all(worker, hashes):
+        it will store them, and owes their events. ``unhashed``: more full blocks follow that
+        no worker holds (a prompt matched from its head alone), so it owes events whatever it
+        holds of ``hashes``; without it, a worker whose stream died would stay trusted under
+        traffic of new prompts, which are all matched so."""
+        if self._owed_since[worker] is None and (
+                unhashed or not self.index.holds_all(worker, hashes)):
             self._owed_since[worker] = self._clock()
 
     # --- what the worker published ---

@@ -29,6 +29,13 @@ class Prompt(NamedTuple):
         token, so a hit covers whole blocks of the first ``tokens - 1``."""
         return self.hashes[: (self.tokens - 1) // self.block_size]
 
+    @property
+    def unhashed(self) -> bool:
+        """Whether full blocks follow ``hashes`` that no worker holds (a prompt matched from
+        its head alone): the worker it is sent to will store them. Its length is estimated
+        there, so a block's margin keeps a short rest from passing for one."""
+        return self.tokens // self.block_size > len(self.hashes) + 1
+
 
 # A prompt's head, encoded alone to learn whether anyone holds its first block: this many
 # characters for each token of a block (about two blocks of English text) ...
