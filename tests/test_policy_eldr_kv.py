@@ -170,3 +170,16 @@ def test_the_kv_only_yardstick_counts_requests_in_flight_as_the_kv_routers_do() 
 def test_completed_requests_no_longer_count_however_many_came_before() -> None:
     for seed in range(4):
         assert _older_worker_chosen("eldr-kv", None, seed, finished_before=150) == 0
+
+
+def test_an_idle_worker_beats_a_busy_one_whose_request_is_about_to_end() -> None:
+    """Worker 1's one request is overdue (it shares no steps with the new one), so the two
+    cost the same per token; the new request would still wait for worker 1's running step
+    (``scorers.step_wait``), and not at all on idle worker 0."""
+    two = np.ones(2, dtype=bool)
+    for seed in range(16):
+        policy = make_policy("eldr-kv", RoutingContext(2, seed=seed, top_k=2), {"cost": "gpu"})
+        first = RoutingRequest(loads=np.zeros(2, dtype=np.int64), eligible=two, output_tokens=1)
+        policy.on_dispatch(1, first, "first")
+        assert policy.choose(RoutingRequest(loads=np.array([0, 1]), eligible=two,
+                                            output_tokens=1)) == 0

@@ -7,9 +7,10 @@ least over its life: the KV it must pull for the prompt tokens it lacks (``score
 plus, per output token, eldr-union's step-time increase for the experts it adds and the batch
 slot it takes (``scorers.load`` when its signature is unknown), with a worker's requests
 counted by the share of the new one's steps they will still be there for
-(``scorers.residual_load``), not by how many run now. Filters are eldr-union's: a
-worker may hold at most ``max(1, load_slack x mean)`` more requests than the least loaded, and
-a full worker is skipped while another has room.
+(``scorers.residual_load``), not by how many run now, and once, the request's own wait for the
+step a busy worker is running (``scorers.step_wait``; none on an idle one). Filters are
+eldr-union's: a worker may hold at most ``max(1, load_slack x mean)`` more requests than the
+least loaded, and a full worker is skipped while another has room.
 
 Conditional disaggregation (``choose_local``): at a request's arrival, the decode worker the
 objective picks from its KV and load (no signature yet) prefills the request itself, skipping
@@ -48,6 +49,7 @@ from stages.routing.scorers.kv_pull import kv_pull_s
 from stages.routing.scorers.load import added_step_s
 from stages.routing.scorers.prefill_queue import prefill_ready_s
 from stages.routing.scorers.residual_load import shared_load
+from stages.routing.scorers.step_wait import step_wait_s
 
 # When a request sets no max_tokens: what a chat answer runs to, roughly.
 DEFAULT_OUTPUT_TOKENS = 256
@@ -200,11 +202,18 @@ class EldrKvPolicy(EldrUnionPolicy):
             per_token = (fixed + per_seq * beside + per_expert * self._load.distinct
                          + (beside + 1.0) * (per_seq + per_expert * self._added))
             np.multiply(np.where(np.isinf(self._latency), np.inf, per_token), tokens, out=total)
+            running = fixed + per_seq * loads + per_expert * self._load.distinct
         else:
             # Experts unknown: any constant count shifts every worker's step alike.
             total[:] = tokens * added_step_s(beside, self._costs(), distinct=0.0)
             total[~self._admits(loads, eligible)] = np.inf
+            running = self._costs().step_time(loads, 0.0)
+        total += self._step_wait(loads, running)
         return total
+
+    def _step_wait(self, loads: np.ndarray, running_s: np.ndarray) -> np.ndarray:
+        """[W] the request's own wait for the step each worker runs (``scorers.step_wait``)."""
+        return step_wait_s(loads, running_s)
 
     def _beside(self, request: RoutingRequest, tokens: int) -> np.ndarray:
         """[W] requests each worker will run beside this one over its life, as far as this
@@ -295,3 +304,7 @@ class KvOnlyPolicy(EldrKvPolicy):
     def _beside(self, request: RoutingRequest, tokens: int) -> np.ndarray:
         """The KV-aware routers weigh load by the requests in flight now."""
         return request.loads.astype(np.float64)
+
+    def _step_wait(self, loads: np.ndarray, running_s: np.ndarray) -> np.ndarray:
+        """The KV-aware routers do not price the running step."""
+        return np.zeros(loads.size)

@@ -10,6 +10,8 @@ in a folder of its own with its test, so a new signal is one folder:
 - ``kv_pull``: the prompt tokens a decode worker lacks, pulled from the prefill worker at the
   measured transfer time per token;
 - ``load``: the decode step time a request adds to a worker's batch, blind to experts;
+- ``residual_load``: a worker's requests counted by the steps they will share with the new one;
+- ``step_wait``: the new request's wait for the step a busy worker is running (once);
 - the expert union: eldr-union's step-time increase for the experts a request adds
   (``stages.routing.policies.eldr_union``), per decode step.
 
