@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -86,6 +87,7 @@ ROUTERS = ("direct", "eldr-union", "eldr-union-2p", "eldr-union-pub", "eldr-unio
            "rr", "vllm-router")
 KV_AWARE = ("eldr-kv",)  # routers that subscribe to the workers' KV events
 WORKLOADS = ("plain", "burst", "paced")
+PROMPT_NUMBERS = 10**8  # new prompts one point may send, at most
 
 
 @dataclass(frozen=True)
@@ -239,17 +241,19 @@ def cpu_seconds(root: int) -> float:
 # -- load generator -----------------------------------------------------------------------
 
 def generate(url: str, workload: str, concurrency: int, seconds: float, tokens: int,
-             prompts: list[str] | None, unique: bool, out: mp.Queue) -> None:
+             prompts: list[str] | None, unique: bool, first: int, out: mp.Queue) -> None:
     """Closed-loop clients for ``seconds``; puts (requests, failed, chunks, latencies)."""
     import uvloop
 
     out.put(uvloop.run(_generate(url, workload, concurrency, seconds, tokens, prompts,
-                                 unique)))
+                                 unique, first)))
 
 
 async def _generate(url: str, workload: str, concurrency: int, seconds: float,
                     tokens: int, prompts: list[str] | None = None,
-                    unique: bool = True) -> tuple[int, int, int, list[float]]:
+                    unique: bool = True, first: int = 0) -> tuple[int, int, int, list[float]]:
+    """``first``: the number the first new prompt starts with (``unique``); each point of a
+    run starts past the last one's, so no point repeats a prompt an earlier one sent."""
     # eldr's own upstream client: a fraction of aiohttp's CPU per request, which the router
     # under test would otherwise lose to the load generator.
     from stages.serve.proxy.client.http1 import Http1Client, Timeouts, UpstreamError
@@ -267,7 +271,7 @@ async def _generate(url: str, workload: str, concurrency: int, seconds: float,
                               "max_tokens": tokens, "stream": stream}).encode().split(
                                   json.dumps(mark)[1:-1].encode())
                   for p in prompts]
-    sent = [0]
+    sent = [first]
 
     def body(i: int) -> bytes:
         if prompts is None or not unique:
@@ -358,11 +362,11 @@ def _tool(name: str) -> str:
 
 def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workload: str,
             concurrency: int, seconds: float, tokens: int, workers: list[int],
-            prompts: list[str] | None = None, unique: bool = True) -> Point:
+            prompts: list[str] | None = None, unique: bool = True, first: int = 0) -> Point:
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
     gen = ctx.Process(target=generate, args=(url, workload, concurrency, seconds, tokens,
-                                             prompts, unique, queue))
+                                             prompts, unique, first, queue))
     cpu0, sys0 = cpu_times(proc.pid) if proc else (0.0, 0.0)
     workers0 = sum(cpu_seconds(pid) for pid in workers)
     t0 = time.monotonic()
@@ -409,6 +413,10 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                                args.pace_ms / 1000 if paced else 0.0, batch_ports,
                                kv_events[args.prefill:], chars_per_token, kv_model))]
     points: list[Point] = []
+    # Each point's new prompts start at a number of their own: the fakes' blocks (and their
+    # first blocks' texts, which a KV-aware router reads) outlive a point, so a number sent
+    # again would start like a held first block, and be encoded where a new one is not.
+    numbers = itertools.count(0, PROMPT_NUMBERS)
     for f in fakes:
         f.start()
     fake_pids = [f.pid for f in fakes if f.pid is not None]
@@ -430,7 +438,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     spy = start_profile(proc, router, args.profile, name, args.seconds)
                     point = measure(router, proc, url + "/v1/completions", workload,
                                     concurrency, args.seconds, args.tokens, fake_pids, texts,
-                                    not args.repeat_prompts)
+                                    not args.repeat_prompts, next(numbers))
                     points.append(point)
                     print(_row(point), flush=True)
                     if spy is not None:

@@ -121,6 +121,37 @@ def test_the_bench_sends_new_prompts_each_time_or_the_same_ones_again(unique: bo
     assert publisher.published == (requests if unique else len(prompts))
 
 
+def test_the_bench_sends_no_point_a_new_prompt_an_earlier_point_sent() -> None:
+    from examples.bench_proxy import PROMPT_NUMBERS, _generate
+
+    # The fake holds every block sent (capacity to spare): a prompt sent again stores none.
+    publisher = FakeKVPublisher(f"tcp://127.0.0.1:{_free_pair()}", None, block_size=32,
+                                capacity=1 << 20)
+    sock = lean_worker.listening_socket(0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    prompts = ["one long prompt " * 25, "another long prompt " * 20]
+
+    async def run() -> int:
+        workers = await lean_worker.start([sock], [FakeBehavior("bench", record=False)],
+                                          [publisher])
+        try:
+            sent = 0
+            for point in range(2):
+                requests, failed, _, _ = await _generate(url, "plain", 4, 0.3, 7, prompts,
+                                                         True, point * PROMPT_NUMBERS)
+                assert failed == 0 and requests > 10
+                sent += requests
+        finally:
+            workers[0].close()
+        return sent
+
+    try:
+        requests = asyncio.run(run())
+    finally:
+        publisher.close()
+    assert publisher.published == requests  # the second point's prompts were new too
+
+
 async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     for _ in range(int(timeout_s / 0.02)):
         if condition():
