@@ -11,6 +11,7 @@ import pytest
 from stages.paths import BUNDLED_MODELS_DIR, CALIBRATION_PROMPTS, EVALUATION_PROMPTS
 from stages.prompts import load_prompts
 from stages.routing.kv.block_hashes import BlockHasher
+from stages.routing.kv.event_messages import decode_batch
 from stages.routing.kv.first_block_texts import FirstBlockTexts
 from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_routing import KVRouting
@@ -101,6 +102,38 @@ def test_events_without_token_ids_turn_ruling_out_off(kv) -> None:
     kv.prefill.apply(0, 0, _stored([1, 2], []))
     assert not texts.enabled
     assert texts.may_be_held("anything at all, it is tokenized and matched")
+
+
+def test_unreadable_token_ids_turn_ruling_out_off_and_leave_the_blocks_applied(kv) -> None:
+    texts = kv.first_texts
+    assert texts is not None
+    event = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+             "token_ids": ["not", "ids"] * BLOCK, "block_size": BLOCK}
+    kv.prefill.apply(0, 0, ENCODE.encode([0.0, [event], None]))
+    assert not texts.enabled and kv.prefill.index.held(0) == 2
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("block", [BLOCK, 128])
+def test_a_first_block_read_from_its_event_keys_as_its_whole_ids_do(kv, chat, block) -> None:
+    # An event carries every stored block's ids; only the first block's first ids are read,
+    # and the whole block only where they decode shorter than a key (CJK at 16 tokens).
+    backend, specials = kv.tokenizer.backend, kv.tokenizer.head_specials
+    whole, from_events = FirstBlockTexts(backend, specials), FirstBlockTexts(backend, specials)
+    texts = [kv.tokenizer.render(_body(text, chat), chat) for text in _prompts()]
+    for text in _prompts():
+        ids = _ids(kv, _body(text, chat), chat)
+        full = len(ids) // block * block
+        if not full:
+            continue
+        whole.stored(ids[:block], block)
+        event = {"type": "BlockStored", "block_hashes": BlockHasher().hashes(ids, block),
+                 "parent_block_hash": None, "token_ids": ids[:full], "block_size": block}
+        from_events.stored_event(decode_batch(ENCODE.encode([0.0, [event], None])).events[0])
+    assert from_events._keys.keys() == whole._keys.keys()
+    assert from_events._short == whole._short
+    assert all(r is not None and r.text is not None and from_events.may_be_held(r.text)
+               for r in texts)
 
 
 def test_later_blocks_events_add_no_first_block(kv) -> None:

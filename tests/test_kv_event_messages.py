@@ -8,7 +8,7 @@ import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from stages.routing.kv.block_hashes import external_hash
-from stages.routing.kv.event_messages import decode_batch, external_hashes
+from stages.routing.kv.event_messages import decode_batch, external_hashes, leading_ids
 from stages.serve.proxy.view.kv_events import KVView
 
 ENCODE = msgspec.msgpack.Encoder().encode
@@ -71,3 +71,26 @@ def test_a_batch_with_an_event_it_cannot_read_changes_nothing() -> None:
 @pytest.mark.parametrize("value", [0, 1 << 63, (1 << 64) - 1, -1, b"\x01" * 32, b"\x02"])
 def test_hashes_read_as_external_hash_reads_them(value: int | bytes) -> None:
     assert external_hashes([value]) == [external_hash(value)]
+
+
+@pytest.mark.parametrize("length", [0, 3, 15, 16, 200, 70_000])
+def test_an_events_leading_token_ids_read_as_decoding_them_all_would(length: int) -> None:
+    # Every msgpack width an id takes (fixint, uint8, 16, 32, 64) and every array header.
+    widths = [5, 200, 40_000, 3_000_000, 1 << 40]
+    ids = [widths[i % len(widths)] + i for i in range(length)]
+    raw = msgspec.Raw(ENCODE(ids))
+    for count in (0, 1, 16, length, length + 5):
+        assert leading_ids(raw, count) == (length, ids[:count])
+
+
+@pytest.mark.parametrize("payload", [[1, -2, 3], [1, "a"], {"a": 1}, 7, [1.5]])
+def test_token_ids_that_are_no_list_of_ids_are_refused(payload: object) -> None:
+    with pytest.raises(ValueError):
+        leading_ids(msgspec.Raw(ENCODE(payload)), 8)
+
+
+def test_token_ids_cut_short_are_refused() -> None:
+    whole = ENCODE([1, 300, 70_000])
+    for cut in range(1, len(whole)):
+        with pytest.raises(ValueError):
+            leading_ids(whole[:cut], 3)

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from stages.routing.kv.event_messages import BlockStored, first_ids
+from stages.routing.kv.event_messages import BlockStored, leading_ids
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # rarely share one, short enough that a block of 16 tokens (a GPU's) has them.
 KEY_CHARS = 24
 DEFAULT_MAX_KEYS = 1 << 16
+# A first block's ids read and decoded for its key: a key's characters take a few ids (the
+# whole block is read only where these give fewer characters than a key).
+KEY_IDS = 16
 _SAMPLES = (
     "The committee reviewed the annual report on water quality in each district.",
     "  Leading spaces, ünïcödé, 漢字 and digits 0123456789 in one line\n\nthen another.",
@@ -63,34 +66,63 @@ class FirstBlockTexts:
         self._seen[first] = None
         if len(self._seen) > self._max_keys:
             self._seen.popitem(last=False)
-        self.stored(first_ids(event), event.block_size)
+        size = event.block_size
+        try:
+            carried, ids = leading_ids(event.token_ids, min(KEY_IDS, size))
+        except ValueError as exc:
+            log.warning("a worker's KV event carries token ids that cannot be read: %s", exc)
+            carried, ids = 0, []
+        if carried < size:
+            self._off()
+        elif not self._keyed(ids):  # a short text (CJK, bytes): the whole block is read
+            self.stored(leading_ids(event.token_ids, size)[1], size)
 
     def stored(self, first_block_ids: Sequence[int], block_size: int) -> None:
         """A worker stored a sequence's first block of these ids. A publisher that leaves
         them out (or sends fewer than a block) leaves nothing to rule out by: off for good."""
         ids = list(first_block_ids)
         if len(ids) < block_size:
-            if self.enabled:
-                log.info("a worker's KV events carry no token ids: every prompt is tokenized"
-                         " to be matched")
-            self.enabled = False
+            self._off()
             return
+        for text in self._texts(ids):
+            if len(text) < KEY_CHARS:
+                self._short.setdefault(len(text), set()).add(text)
+            else:
+                self._key(text[:KEY_CHARS])
+
+    def _keyed(self, leading: list[int]) -> bool:
+        """Keys from a first block's leading ids alone: the text of a block's first ids is
+        the start of its whole text (checked at start, ``_round_trips``). False, and nothing
+        kept, where they give fewer characters than a key."""
+        texts = self._texts(leading)
+        if any(len(text) < KEY_CHARS for text in texts):
+            return False
+        for text in texts:
+            self._key(text[:KEY_CHARS])
+        return True
+
+    def _texts(self, ids: list[int]) -> list[str]:
+        """What ``ids`` decode to, and without the completion's BOS where they start so."""
         variants = [ids]
         if self._head and ids[:len(self._head)] == self._head:
             variants.append(ids[len(self._head):])  # a completion's text lacks its BOS
-        for variant in variants:
-            # A block's last id may be part of a character: what precedes it is exact.
-            text = self._backend.decode(variant, skip_special_tokens=False).rstrip("\ufffd")
-            if len(text) < KEY_CHARS:
-                self._short.setdefault(len(text), set()).add(text)
-                continue
-            key = text[:KEY_CHARS]
-            if key in self._keys:
-                self._keys.move_to_end(key)
-            else:
-                self._keys[key] = None
-                if len(self._keys) > self._max_keys:
-                    self._keys.popitem(last=False)
+        # A last id may be part of a character: what precedes it is exact.
+        return [self._backend.decode(v, skip_special_tokens=False).rstrip("\ufffd")
+                for v in variants]
+
+    def _key(self, key: str) -> None:
+        if key in self._keys:
+            self._keys.move_to_end(key)
+        else:
+            self._keys[key] = None
+            if len(self._keys) > self._max_keys:
+                self._keys.popitem(last=False)
+
+    def _off(self) -> None:
+        if self.enabled:
+            log.info("a worker's KV events carry no token ids: every prompt is tokenized"
+                     " to be matched")
+        self.enabled = False
 
     def may_be_held(self, text: str) -> bool:
         """False where no held first block can start ``text`` (or this is off: True)."""
