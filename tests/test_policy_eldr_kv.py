@@ -183,3 +183,21 @@ def test_an_idle_worker_beats_a_busy_one_whose_request_is_about_to_end() -> None
         policy.on_dispatch(1, first, "first")
         assert policy.choose(RoutingRequest(loads=np.array([0, 1]), eligible=two,
                                             output_tokens=1)) == 0
+
+
+def test_the_proxys_router_gives_the_running_step_term_what_it_needs() -> None:
+    """Through the proxy's DecodeRouter: the loads it passes and the dispatches the policy
+    heard tell it which worker is busy, so the next request goes to the idle one."""
+    from stages.routing.policy_config import PolicyConfig
+    from stages.serve.proxy.router.decode_router import NO_FEATURES, DecodeRouter, KVInputs
+
+    two = np.ones(2, dtype=bool)
+    config = PolicyConfig.from_mapping({"eldr-kv": {"cost": "gpu"}})
+    for seed in range(16):
+        router = DecodeRouter(2, "eldr-kv", None, seed=seed, policy_config=config)
+        first = router.choose(NO_FEATURES, np.zeros(2, dtype=np.int64), two,
+                              KVInputs(output_tokens=1))
+        loads = np.zeros(2, dtype=np.int64)
+        loads[first.worker] = 1
+        second = router.choose(NO_FEATURES, loads, two, KVInputs(output_tokens=1))
+        assert second.worker == 1 - first.worker
