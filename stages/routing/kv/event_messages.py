@@ -52,10 +52,6 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return _DECODER.decode(payload)
 
 
-# msgpack's encodings of a non-negative int past a positive fixint: marker -> its bytes.
-_UINT_BYTES = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
-
-
 def leading_ids(token_ids: msgspec.Raw | bytes, count: int) -> tuple[int, list[int]]:
     """How many token ids an event carries, and the first ``count`` of them, read from its
     undecoded msgpack array without decoding the rest: vLLM's ``BlockStored`` carries every
@@ -73,18 +69,25 @@ def leading_ids(token_ids: msgspec.Raw | bytes, count: int) -> tuple[int, list[i
     else:
         raise ValueError(f"token ids are not a msgpack array (marker {marker:#x})")
     ids: list[int] = []
+    append = ids.append
     try:
         for _ in range(min(count, length)):
             marker = data[at]
             if marker < 0x80:  # a positive fixint: the id itself
-                ids.append(marker)
+                append(marker)
                 at += 1
-                continue
-            width = _UINT_BYTES.get(marker)
-            if width is None:
+            elif marker == 0xCD:  # uint16, most of a vocabulary
+                append(data[at + 1] << 8 | data[at + 2])
+                at += 3
+            elif marker == 0xCC:  # uint8
+                append(data[at + 1])
+                at += 2
+            elif marker in (0xCE, 0xCF):  # uint32, uint64
+                width = 4 if marker == 0xCE else 8
+                append(int.from_bytes(data[at + 1:at + 1 + width], "big"))
+                at += 1 + width
+            else:
                 raise ValueError(f"a token id is not a non-negative int (marker {marker:#x})")
-            ids.append(int.from_bytes(data[at + 1:at + 1 + width], "big"))
-            at += 1 + width
     except IndexError:
         raise ValueError("token ids cut short") from None
     if len(data) < at:

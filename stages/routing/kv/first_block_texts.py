@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 KEY_CHARS = 24
 DEFAULT_MAX_KEYS = 1 << 16
 # A first block's ids read and decoded for its key: a key's characters take a few ids (the
-# whole block is read only where these give fewer characters than a key).
-KEY_IDS = 16
+# whole block is read only where these give fewer characters than a key: digits, CJK).
+KEY_IDS = 32
 _SAMPLES = (
     "The committee reviewed the annual report on water quality in each district.",
     "  Leading spaces, ünïcödé, 漢字 and digits 0123456789 in one line\n\nthen another.",
