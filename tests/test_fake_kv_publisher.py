@@ -5,6 +5,9 @@ tokenizes and matches (it tokenizes only once a worker told it the block size)."
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -15,7 +18,7 @@ from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_events import follow_kv_events
 from stages.serve.proxy.view.kv_routing import KVRouting
 from tests.fakes import lean_worker
-from tests.fakes.kv_publisher import FakeKVPublisher
+from tests.fakes.kv_publisher import FakeKVPublisher, stand_in_hashes
 from tests.fakes.worker import FakeBehavior
 
 TINY = str(BUNDLED_MODELS_DIR / "tiny")
@@ -150,6 +153,18 @@ def test_the_bench_sends_no_point_a_new_prompt_an_earlier_point_sent() -> None:
     finally:
         publisher.close()
     assert publisher.published == requests  # the second point's prompts were new too
+
+
+def test_stand_in_hashes_are_a_texts_own_in_every_process() -> None:
+    # A prompt's prefill and decode workers run in two fake processes: their stand-in blocks
+    # must be the same blocks, as vLLM's hashes are on every worker (the view reads a first
+    # block once whichever workers store it).
+    code = ("from tests.fakes.kv_publisher import stand_in_hashes;"
+            " print(stand_in_hashes('a prompt of some length ' * 40, 16, 4.0))")
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2")}
+    assert seen == {f"{stand_in_hashes('a prompt of some length ' * 40, 16, 4.0)}\n"}
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]

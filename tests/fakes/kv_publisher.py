@@ -20,6 +20,7 @@ valid events to stay trusted and to do its work.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
@@ -164,9 +165,10 @@ class FakeKVPublisher:
 
 def stand_in_hashes(text: str, block_size: int, chars_per_token: float) -> list[int]:
     """Distinct 64-bit numbers, one per full block ``text`` would fill at ``chars_per_token``;
-    a text's are the same each time (within one process)."""
+    a text's are the same each time and in every process, as vLLM's are on every worker (a
+    prompt's prefill and decode workers store the same blocks)."""
     blocks = int(len(text) / chars_per_token) // block_size
-    base = hash(text) & _LOW_64
+    base = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     return [(base + i * _ODD) & _LOW_64 for i in range(blocks)]
 
 
