@@ -128,3 +128,19 @@ def test_eldr_kv_runs_in_the_simulator(arrays) -> None:  # type: ignore[no-untyp
     assert metrics["eldr-kv"]["decode_kv_pulled_tokens"] <= metrics["rr"]["decode_kv_pulled_tokens"]
     with pytest.raises(EldrError, match="unknown policy"):
         small_config(("nope",))
+
+
+def test_each_turn_records_how_busy_its_prompts_holder_was_at_its_arrival(arrays) -> None:
+    """With one decode worker it holds everything: its load at a turn's arrival is at least the
+    turns already decoding then (first token out, not done) and at most those arrived and not
+    done."""
+    from dataclasses import replace
+
+    config = replace(small_config(("jsq",)), num_decode=1)
+    _, outcomes, _ = simulate_outcomes(config, arrays, TOP_K)
+    o = outcomes["jsq"]
+    at = o.arrival[:, None]
+    decoding = ((o.first_token[None, :] <= at) & (at < o.done[None, :])).sum(axis=1)
+    arrived = ((o.arrival[None, :] < at) & (at < o.done[None, :])).sum(axis=1)
+    assert (o.holder_load >= decoding).all() and (o.holder_load <= arrived).all()
+    assert o.holder_load[np.argmin(o.arrival)] == 0 and o.holder_load.max() >= 2

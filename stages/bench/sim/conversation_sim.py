@@ -120,6 +120,9 @@ class ConversationOutcome:
     # Per turn: the mean over its decode steps of the distinct experts (summed over layers)
     # of the batch it ran in: what its decode worker's choice gave the turns it ran with.
     turn_distinct: np.ndarray
+    # Per turn, at its arrival: the requests in flight on the decode worker holding the most
+    # of its prompt (0: that worker is idle, so prefilling there stalls no one).
+    holder_load: np.ndarray
 
 
 class _Run:
@@ -159,6 +162,7 @@ class _Run:
         self.worker = np.full(n, -1, dtype=np.int64)
         self.log_miss: dict[int, np.ndarray] = {}
         self.turn_distinct = np.full(n, np.nan)
+        self.holder_load = np.zeros(n, dtype=np.int64)
         self.arrival_counts = (_ArrivalCounts(arrays, turns, config.arrival_tail_quality)
                                if policy.decodes_at_arrival else None)
         self.distinct: list[float] = []
@@ -182,6 +186,8 @@ class _Run:
     def arrive(self, r: int, t: float) -> None:
         self.arrival[r] = t
         prompt = self.turns.prompts[r]
+        held = self._cached_tokens([d.cache for d in self.decoders], r)
+        self.holder_load[r] = self.decode_loads[int(np.argmax(held))]
         cached = self._cached_tokens(self.prefill_caches, r)
         prefill = PrefillRequest(self.prefill_loads.copy(), self.prefill_eligible,
                                  int(prompt.size), cached, self.prefill_queued.copy())
@@ -363,7 +369,7 @@ class _Run:
             raise AssertionError("simulation ended with unfinished turns")
         return ConversationOutcome(self.arrival, self.first, self.done, self.cached,
                                    self.prefill_of, self.pulled, np.asarray(self.distinct),
-                                   self.turn_distinct)
+                                   self.turn_distinct, self.holder_load)
 
 
 class _ArrivalCounts:

@@ -9,7 +9,9 @@ Per seed, on the same conversations:
   arrival's gain over after-prefill's.
 - eldr-kv with ``local_prefill_below`` N against the same with 0, for either decode choice:
   TTFT p50 of the turns >= 2, TPOT p50 and p99 and the mean arrival-to-last-token time of
-  every turn, and the share of turns >= 2 a decode worker prefilled itself.
+  every turn, and the share of turns >= 2 a decode worker prefilled itself; with always-remote
+  prefill, the share of turns >= 2 whose history holder (the decode worker holding the most of
+  the prompt) was idle at their arrival (a local prefill there would stall no one).
 
 ``python -m stages.bench.sim.decode_choice_study --help`` runs it.
 """
@@ -72,6 +74,9 @@ def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: 
            "gain_arrival": gain_arrival, "kept": gain_arrival / gain_after}
     for choice, remote_run in (("arrival", arrival), ("after-prefill", after)):
         row |= {f"{choice}_remote_{k}": v for k, v in _latency(remote_run[POLICY], turns).items()}
+        # A later turn whose history holder runs nothing could prefill there stalling no one.
+        row[f"{choice}_remote_holder_idle_later"] = float(
+            np.mean(remote_run[POLICY].holder_load[turns.turn >= 2] == 0))
         for n in local_below:
             _, local = outcomes((POLICY,), decode_choice=choice, local_prefill_below=n)
             row |= {f"{choice}_local{n}_{k}": v for k, v in _latency(local[POLICY], turns).items()}
