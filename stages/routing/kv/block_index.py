@@ -2,13 +2,15 @@
 each one already has.
 
 vLLM's prefix cache matches a prompt block by block from its start and stops at the first block
-it lacks, so what a worker can reuse is the run of leading blocks it holds. Each block hash maps
-to a bit mask of its holders, so one pass over a prompt's hashes answers for every worker.
+it lacks, so what a worker can reuse is the run of leading blocks it holds. Each worker's blocks
+are one set: an event's blocks are added or dropped in one C call (every request the workers
+run stores and evicts a prompt's worth, where a request's match reads a few).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import takewhile
 
 import numpy as np
 
@@ -20,36 +22,20 @@ class BlockIndex:
         if num_workers < 1:
             raise EldrError(f"need at least one worker, got {num_workers}")
         self.num_workers = num_workers
-        self._holders: dict[int, int] = {}  # block hash -> bit mask of the workers holding it
         self._blocks: list[set[int]] = [set() for _ in range(num_workers)]
 
     def stored(self, worker: int, hashes: Iterable[int]) -> None:
-        bit = 1 << worker
-        mine = self._blocks[worker]
-        holders = self._holders
-        for h in hashes:
-            holders[h] = holders.get(h, 0) | bit
-            mine.add(h)
+        self._blocks[worker].update(hashes)
 
     def removed(self, worker: int, hashes: Iterable[int]) -> None:
-        keep = ~(1 << worker)
-        mine = self._blocks[worker]
-        holders = self._holders
-        for h in hashes:
-            if h not in mine:
-                continue  # a block stored before this proxy listened, or removed twice
-            mine.discard(h)
-            left = holders[h] & keep
-            if left:
-                holders[h] = left
-            else:
-                del holders[h]
+        # A block stored before this proxy listened, or removed twice, is not there: ignored.
+        self._blocks[worker].difference_update(hashes)
 
     def cleared(self, worker: int) -> None:
-        self.removed(worker, list(self._blocks[worker]))
+        self._blocks[worker].clear()
 
     def held_anywhere(self, block_hash: int) -> bool:
-        return block_hash in self._holders
+        return any(block_hash in mine for mine in self._blocks)
 
     def held(self, worker: int) -> int:
         return len(self._blocks[worker])
@@ -57,32 +43,13 @@ class BlockIndex:
     def leading_blocks(self, hashes: Sequence[int]) -> np.ndarray:
         """int64 [W]: how many of ``hashes``, from the first, each worker holds in a row."""
         counts = np.zeros(self.num_workers, dtype=np.int64)
-        alive = (1 << self.num_workers) - 1
-        holders = self._holders
-        run = 0
-        for h in hashes:
-            now = alive & holders.get(h, 0)
-            if now != alive:
-                # Workers whose run ends here: visited once each, not once per block.
-                _set_bits(counts, alive & ~now, run)
-                alive = now
-                if not alive:
-                    return counts
-            run += 1
-        _set_bits(counts, alive, run)
+        if not hashes:
+            return counts
+        first = hashes[0]
+        for w, mine in enumerate(self._blocks):
+            if first in mine:  # most workers lack a prompt's first block: no run to count
+                counts[w] = len(list(takewhile(mine.__contains__, hashes)))
         return counts
 
     def holds_all(self, worker: int, hashes: Iterable[int]) -> bool:
-        bit = 1 << worker
-        holders = self._holders
-        return all(holders.get(h, 0) & bit for h in hashes)
-
-
-def _set_bits(counts: np.ndarray, mask: int, value: int) -> None:
-    """``counts[w] = value`` for every bit ``w`` set in ``mask``."""
-    w = 0
-    while mask:
-        if mask & 1:
-            counts[w] = value
-        mask >>= 1
-        w += 1
+        return self._blocks[worker].issuperset(hashes)
