@@ -59,6 +59,10 @@ DEFAULT_OUTPUT_TOKENS = 256
 # by under 1% (means over seeds). Priced blind to the experts it adds, 44-56% went local at
 # 4/s: later turns' TTFT p50 0.58-0.88x but TPOT p99 +7-11% and every request's time summed
 # +1.5% (its history holder is rarely the worker its decode costs least on; docs/results.md).
+# A holder that runs nothing (a local prefill there stalls no one) met 1-2% of the later turns
+# at 4/s and none at 10-16 (decode_choice_study), too few to move anything. Sending every turn
+# whose holder runs at most one request local (34-37% at 4/s; a rule tried by hand, seeds 0-4)
+# gave TTFT p50 (t >= 2) 0.91-0.93x but TPOT p50 +2% and p99 +0.5-0.7%.
 DEFAULT_LOCAL_PREFILL_BELOW = 0
 # When the decode worker is chosen: after prefill, from its signature (the paper's rule), or
 # at arrival, from the signature at arrival (``stages.routing.arrival_signature``).
