@@ -126,6 +126,55 @@ def test_the_same_prompt_again_is_not_encoded(kv, monkeypatch) -> None:
     assert encoded == [] and prompt is not None and list(prompt.ids) == _whole(kv, text)
 
 
+def _hashes_made(kv: KVRouting, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths of the id lists the proxy hashes into blocks from now on."""
+    seen: list[int] = []
+    hasher = kv.hasher
+
+    class Spy:
+        def hashes(self, ids: Any, block_size: int, salt: str | None = None) -> list[int]:
+            seen.append(len(ids))
+            return hasher.hashes(ids, block_size, salt)
+
+    monkeypatch.setattr(kv, "hasher", Spy())
+    return seen
+
+
+def test_a_prompt_matched_whole_again_is_neither_encoded_nor_hashed(kv, monkeypatch) -> None:
+    text = SYSTEM + "List the districts. " * 40
+    _hold(kv, text)
+    first = kv.prompt({"prompt": text}, chat=False)
+    encoded, hashed = _encodes(kv, monkeypatch), _hashes_made(kv, monkeypatch)
+    again = kv.prompt({"prompt": text}, chat=False, all_ids=True)
+    assert encoded == [] and hashed == []
+    assert again is not None and first is not None and again.hashes == first.hashes
+    assert list(again.ids) == _whole(kv, text) and again.tokens == first.tokens
+    # Another salt, or the prompt's own ids as given, is another prompt.
+    salted = kv.prompt({"prompt": text, "cache_salt": "s"}, chat=False)
+    assert salted is not None and salted.hashes != first.hashes
+
+
+def test_a_prompt_matched_from_its_head_alone_is_matched_whole_once_held(kv) -> None:
+    text = "A question nobody sent before, about the spring samples. " * 40
+    unheld = kv.prompt({"prompt": text}, chat=False)
+    assert unheld is not None and unheld.hashes == []  # held nowhere: its length estimated
+    hashes = _hold(kv, text)
+    held = kv.prompt({"prompt": text}, chat=False)
+    assert held is not None and held.hashes == hashes and held.tokens == len(_whole(kv, text))
+
+
+def test_prompts_matched_through_reuse_are_dropped_when_reuse_turns_off(
+        kv, monkeypatch) -> None:
+    text = SYSTEM + "List the districts. " * 40
+    _hold(kv, text)
+    kv.prompt({"prompt": text}, chat=False)
+    assert kv.texts is not None
+    kv.texts.enabled = False  # a reuse gave other ids than the whole text (verify)
+    hashed = _hashes_made(kv, monkeypatch)
+    again = kv.prompt({"prompt": text}, chat=False)
+    assert hashed and again is not None and list(again.ids) == _whole(kv, text)
+
+
 class _LookAhead:
     """A tokenizer whose first id depends on the text after it."""
 

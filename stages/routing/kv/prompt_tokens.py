@@ -53,6 +53,12 @@ class PromptTokenizer:
         return self._backend
 
     @property
+    def reuses_pieces(self) -> bool:
+        """Whether chat prompts are encoded by pieces kept from earlier ones (off for good
+        once a check found it wrong)."""
+        return self._pieces.enabled
+
+    @property
     def head_specials(self) -> list[int]:
         """The ids the tokenizer adds before every completion prompt's text (a BOS)."""
         return [] if self._specials is None else self._specials[0]

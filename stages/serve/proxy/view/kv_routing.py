@@ -3,6 +3,7 @@ and a request's prompt as the block hashes those workers compute for it."""
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -48,6 +49,10 @@ LENGTH_SAMPLE = ("The committee reviewed the annual report on water quality in e
                  " and asked which wells were tested in spring and which failed the limit.")
 # Heads whose first block is known, most recent kept: ~1 KB of text each at block size 128.
 MAX_HEADS = 8192
+# Prompts matched whole, by their text: one sent again (a retry, a popular question, a
+# client's loop) is a lookup, not its ids joined and every block's hash looked up again
+# (~100 us at 2,000 tokens). Their texts are kept up to this many characters, ids as 4 bytes.
+MAX_EXACT_CHARS = 1 << 22
 
 
 class KVRouting:
@@ -73,6 +78,9 @@ class KVRouting:
                                             "add_special_tokens": False}) or []
         self._tokens_per_char = len(sample) / len(LENGTH_SAMPLE)
         self.texts = None if backend is None else KnownTexts(backend)
+        self._exact: OrderedDict[tuple[Rendered, str | None, int], Prompt] = OrderedDict()
+        self._exact_chars = 0
+        self._exact_encoders = self._encoders()
 
     def sources(self, role: str) -> list[KVEventSource | None]:
         events = self.config.prefill_events if role == "prefill" else self.config.decode_events
@@ -96,6 +104,39 @@ class KVRouting:
         rendered = self.tokenizer.render(body, chat)
         if rendered is None:
             return None
+        if rendered.text is None:  # token ids: nothing to encode
+            return self._match(rendered, block_size, salt, chat, all_ids)
+        encoders = self._encoders()
+        if encoders != self._exact_encoders:
+            # An encoder that reuses earlier ids found a wrong reuse and turned itself off:
+            # the prompts matched through it go too.
+            self._exact.clear()
+            self._exact_chars, self._exact_encoders = 0, encoders
+        key = (rendered, salt, block_size)
+        known = self._exact.get(key)
+        if known is not None:
+            self._exact.move_to_end(key)
+            return known
+        prompt = self._match(rendered, block_size, salt, chat, all_ids)
+        if prompt is not None and prompt.ids and len(prompt.ids) == prompt.tokens:
+            self._remember(key, prompt._replace(ids=array("i", prompt.ids)))
+        return prompt
+
+    def _encoders(self) -> tuple[bool, bool]:
+        """Whether the encoders that reuse earlier ids are on: known texts, chat pieces."""
+        return (self.texts is not None and self.texts.enabled, self.tokenizer.reuses_pieces)
+
+    def _remember(self, key: tuple[Rendered, str | None, int], prompt: Prompt) -> None:
+        """Keeps a prompt matched whole (every id encoded, every full block hashed): what it
+        is does not depend on what the workers hold."""
+        self._exact[key] = prompt
+        self._exact_chars += len(key[0].text or "")
+        while self._exact_chars > MAX_EXACT_CHARS and len(self._exact) > 1:
+            (rendered, _, _), _ = self._exact.popitem(last=False)
+            self._exact_chars -= len(rendered.text or "")
+
+    def _match(self, rendered: Rendered, block_size: int, salt: str | None, chat: bool,
+               all_ids: bool) -> Prompt | None:
         text = rendered.text
         chars = HEAD_CHARS_PER_TOKEN * block_size
         if not all_ids and text is not None and len(text) > 2 * chars:
