@@ -195,8 +195,7 @@ async def run_decode(ctx: RequestContext, handoff: Handoff,
             if kv.cached_tokens is not None and state.kv is not None and ctx.prompt is not None:
                 # It pulls and stores what it lacks.
                 state.kv.decode.sent(worker, ctx.prompt.hashes, ctx.prompt.unhashed)
-                metrics.kv_prompt_tokens.labels("decode").inc(kv.prompt_tokens)
-                metrics.kv_cached_tokens.labels("decode").inc(int(kv.cached_tokens[worker]))
+                metrics.routed_by_kv("decode", kv.prompt_tokens, int(kv.cached_tokens[worker]))
             if decided_here:  # each decision is timed once, where it is made
                 metrics.decision_seconds.observe(perf_counter() - t0 + feature_seconds)
                 feature_seconds = 0.0

@@ -119,8 +119,7 @@ def choose_prefill(ctx: RequestContext, eligible: np.ndarray) -> tuple[int, int]
         if worker is not None:
             lacking = max(prompt.tokens - int(cached[worker]), 0)
             kv.prefill_queued[worker] += lacking
-            state.metrics.kv_prompt_tokens.labels("prefill").inc(prompt.tokens)
-            state.metrics.kv_cached_tokens.labels("prefill").inc(prompt.tokens - lacking)
+            state.metrics.routed_by_kv("prefill", prompt.tokens, prompt.tokens - lacking)
             kv.prefill.sent(worker, prompt.hashes, prompt.unhashed)
             return worker, lacking
     return state.prefill_router.choose(ctx.legs.key, pool.loads(), eligible), 0

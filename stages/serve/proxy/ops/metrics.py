@@ -165,6 +165,10 @@ class ProxyMetrics:
         self.kv_cached_tokens = Counter(
             "eldr_kv_cached_tokens_total", "Of them, the tokens the chosen worker held.",
             ["leg"], registry=r)
+        # Each leg's children made once: looking a labelled child up costs 2 us a call, and
+        # every request routed by KV counts on both legs.
+        self._kv_legs = {leg: (self.kv_prompt_tokens.labels(leg),
+                               self.kv_cached_tokens.labels(leg)) for leg in ("prefill", "decode")}
         self.local_prefills = Counter(
             "eldr_router_local_prefills_total", "Requests a decode worker prefilled itself (it"
             " held nearly all of the prompt): no prefill worker, no KV hand-off.", registry=r)
@@ -251,6 +255,13 @@ class ProxyMetrics:
                 )
         if decode.published is not None:
             self._published_gauges(decode, decode.published, r)
+
+    def routed_by_kv(self, leg: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request routed by KV on ``leg`` ("prefill", "decode"): its prompt tokens, and of
+        them the ones the chosen worker held."""
+        prompt, cached = self._kv_legs[leg]
+        prompt.inc(prompt_tokens)
+        cached.inc(cached_tokens)
 
     @staticmethod
     def _published_gauges(decode: WorkerPool, published: PublishedBatches,
