@@ -41,6 +41,9 @@ repeated prompts) and the proxy subscribes to them
 (``--attach-kv-events``); every router measured with it runs on the same publishing fakes.
 The publishers run in the fakes' processes, never the router's, and a KV-aware router's points
 start once its view has replayed what they buffered before it (start-up, not per request).
+They send one batch per prompt (as a vLLM engine whose every step ran one prompt); vLLM sends
+one per engine step, with the events of every prompt the step ran: ``--kv-step-ms`` publishes
+so, a batch per step of that many ms.
 
 ``--profile DIR`` samples each eldr router with py-spy (``pip install py-spy``) during every
 point: a flame graph per point in DIR, and the functions with the most CPU printed.
@@ -140,7 +143,8 @@ class Point:
 
 def serve_fakes(ports: list[int], tokens: int, pace_s: float,
                 batch_ports: list[int] | None = None, kv_events: list[str] | None = None,
-                chars_per_token: float = 4.0, kv_model: str | None = None) -> None:
+                chars_per_token: float = 4.0, kv_model: str | None = None,
+                kv_step_s: float = 0.0) -> None:
     """One process, one fake vLLM server on every port (prefill or decode by the request).
     With ``batch_ports`` each is a decode worker publishing its batch there, as eldr's
     connector does (and the decode counts of requests a proxy records). The fakes answer as
@@ -158,8 +162,8 @@ def serve_fakes(ports: list[int], tokens: int, pace_s: float,
     # cost the fakes the router's cores. Repeated prompts get real ones, hashed once each.
     # Their first blocks' ids, as vLLM's events carry them, from each prompt's head alone.
     heads = str(BUNDLED_MODELS_DIR / "tiny")
-    kv = [FakeKVPublisher(e, kv_model, chars_per_token=chars_per_token, head_model=heads)
-          for e in kv_events or []]
+    kv = [FakeKVPublisher(e, kv_model, chars_per_token=chars_per_token, head_model=heads,
+                          step_s=kv_step_s) for e in kv_events or []]
     lean_worker.serve([lean_worker.listening_socket(port) for port in ports], behaviors, kv)
 
 
@@ -407,11 +411,13 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
     kv_model = str(BUNDLED_MODELS_DIR / "tiny") if args.repeat_prompts else None
     fakes = [ctx.Process(target=serve_fakes, daemon=True,
                          args=(ports[:args.prefill], args.tokens, 0.0, None,
-                               kv_events[:args.prefill], chars_per_token, kv_model)),
+                               kv_events[:args.prefill], chars_per_token, kv_model,
+                               args.kv_step_ms / 1000)),
              ctx.Process(target=serve_fakes, daemon=True,
                          args=(ports[args.prefill:-1], args.tokens,
                                args.pace_ms / 1000 if paced else 0.0, batch_ports,
-                               kv_events[args.prefill:], chars_per_token, kv_model))]
+                               kv_events[args.prefill:], chars_per_token, kv_model,
+                               args.kv_step_ms / 1000))]
     points: list[Point] = []
     # Each point's new prompts start at a number of their own: the fakes' blocks (and their
     # first blocks' texts, which a KV-aware router reads) outlive a point, so a number sent
@@ -551,6 +557,10 @@ def main() -> int:
     parser.add_argument("--repeat-prompts", action="store_true",
                         help="with --prompt-tokens: the same 16 prompts again and again (what a"
                         " worker holds hits: the fakes publish their real block hashes)")
+    parser.add_argument("--kv-step-ms", type=float, default=0.0,
+                        help="the fakes publish the KV events of the prompts they ran within"
+                        " one engine step of this many ms as one batch, as vLLM does after each"
+                        " step (0: one batch per prompt, as if every step ran one)")
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench_proxy.json"))

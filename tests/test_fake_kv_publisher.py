@@ -97,6 +97,31 @@ def test_stand_in_hashes_keep_the_view_trusted_and_evictions_bound_what_it_holds
     assert view.index.held(0) == 7  # 15 stored, the oldest 8 removed as the fake evicted them
 
 
+def test_a_step_of_prompts_is_published_as_one_batch_as_vllm_does() -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_pair()}"
+    publisher = FakeKVPublisher(endpoint, None, block_size=32, capacity=7, step_s=0.05)
+    routing = KVRouting(KVConfig(tokenizer=TINY, prefill_events=(endpoint,),
+                                 decode_events=(None,)))
+    bodies = [{"prompt": f"{i:04d}" + "x" * 396} for i in range(5)]
+
+    async def meanwhile() -> None:
+        await asyncio.sleep(0.3)  # subscribed: no replay needed
+        for body in bodies[:3]:  # one step
+            publisher.ran(body, chat=False)
+        assert publisher.published == 0  # sent when the step ends
+        await _until(lambda: routing.prefill.events[0] == 1)
+        for body in bodies[3:]:  # the next
+            publisher.ran(body, chat=False)
+        await _until(lambda: routing.prefill.events[0] == 2)
+
+    try:
+        _follow_prefill_events(routing, meanwhile)
+    finally:
+        publisher.close()
+    assert publisher.published == 2
+    assert routing.prefill.index.held(0) == 7  # 15 stored, the oldest 8 removed, in order
+
+
 @pytest.mark.parametrize("unique", [True, False])
 def test_the_bench_sends_new_prompts_each_time_or_the_same_ones_again(unique: bool) -> None:
     from examples.bench_proxy import _generate

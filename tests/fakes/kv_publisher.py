@@ -20,6 +20,7 @@ valid events to stay trusted and to do its work.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import threading
@@ -48,9 +49,15 @@ class FakeKVPublisher:
 
     def __init__(self, endpoint: str, model: str | None, block_size: int = CPU_BLOCK_SIZE,
                  capacity: int = 4096, chars_per_token: float = 4.0, topic: str = "kv",
-                 buffer: int = 10_000, head_model: str | None = None) -> None:
+                 buffer: int = 10_000, head_model: str | None = None,
+                 step_s: float = 0.0) -> None:
         """``head_model``: with stand-in hashes (``model`` None), a tokenizer that encodes
-        only a prompt's head, for the first block's token ids vLLM's events carry."""
+        only a prompt's head, for the first block's token ids vLLM's events carry.
+        ``step_s``: publish the events of the prompts run within one engine step as one
+        batch, as vLLM's scheduler does after each step (``ran`` is then called from an
+        event loop, which sends the batch); 0: one batch per prompt."""
+        self.step_s = step_s
+        self._step: list[dict[str, Any]] = []  # this step's events, not sent yet
         self.block_size = block_size
         self.heads = None if head_model is None else PromptTokenizer(head_model)
         self.capacity = capacity
@@ -123,6 +130,15 @@ class FakeKVPublisher:
                    "lora_id": None, "medium": "GPU", "lora_name": None}]
         if evicted:
             events.append({"type": "BlockRemoved", "block_hashes": evicted, "medium": "GPU"})
+        if self.step_s <= 0:
+            self.send(events)
+            return
+        if not self._step:
+            asyncio.get_running_loop().call_later(self.step_s, self._end_step)
+        self._step.extend(events)
+
+    def _end_step(self) -> None:
+        events, self._step = self._step, []
         self.send(events)
 
     def send(self, events: list[dict[str, Any]]) -> None:
