@@ -287,10 +287,12 @@ class EldrKvPolicy(EldrUnionPolicy):
 
 
 def _cheapest(seconds: np.ndarray, eligible: np.ndarray, rng: np.random.Generator) -> int:
-    idx = eligible_indices(eligible)
-    sub = seconds[idx]
-    best = idx[sub <= sub.min() * (1.0 + 1e-9)]  # every one filtered out (inf): any of them
-    return int(best[rng.integers(best.size)]) if best.size > 1 else int(best[0])
+    # Lists: a pool's few workers cost less in a loop than in a numpy call each (2 -> 0.9 us).
+    values = seconds.tolist()
+    idx = eligible_indices(eligible).tolist()
+    low = min(values[w] for w in idx) * (1.0 + 1e-9)
+    best = [w for w in idx if values[w] <= low]  # every one filtered out (inf): any of them
+    return best[int(rng.integers(len(best)))] if len(best) > 1 else best[0]
 
 
 class KvOnlyPolicy(EldrKvPolicy):
