@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
+from stages.serve.proxy.view.kv_events import DEFAULT_SILENT_AFTER_S
 from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
 from stages.vllm_compat import NEVER_RUN_ENV, NOT_RUN, installed_vllm, minor
@@ -212,6 +213,12 @@ def test_the_proxy_predicts_every_prefix_cache_hit_the_workers_make(
         b - a for a, b in zip(before, after, strict=True))
     assert prefill_hits > 0 and decode_hits > 0
     assert (predicted_prefill, predicted_decode) == (prefill_hits, decode_hits)
+    # Every worker published what it stored, the first turn (new: matched from its head
+    # alone) included, so none still owes events once the bound has passed.
+    time.sleep(DEFAULT_SILENT_AFTER_S + 0.5)
+    kv = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()["kv"]
+    trusted = [w["trusted"] for role in ("prefill", "decode") for w in kv[role]]
+    assert trusted and all(trusted), kv
 
 
 def _set_eldr_kv(deployment: Deployment, **config: object) -> None:
