@@ -81,6 +81,13 @@ def _running(argv: list[str], log: Path, env: dict[str, str] | None = None) -> I
                 proc.wait()
 
 
+def find_vllm_router() -> str | None:
+    """The vllm-router on PATH, else the one `pip install vllm-router` put beside this Python
+    (a venv used without activating it)."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    return shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -88,7 +95,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--policies", default="eldr-kv,eldr-union",
                     help="eldr's policies to bench, comma separated")
-    ap.add_argument("--vllm-router", default=shutil.which("vllm-router"),
+    ap.add_argument("--vllm-router", default=find_vllm_router(),
                     help="the vllm-router executable (pip install vllm-router)")
     ap.add_argument("--no-vllm-router", action="store_true",
                     help="bench eldr's policies and variants alone")
