@@ -24,19 +24,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from stages.bench.metrics import request_tpot_s
 from stages.bench.sim.conversation_sim import (
     ConversationOutcome,
     ConversationSimConfig,
     simulate_outcomes,
 )
 from stages.bench.sim.conversation_workload import SimConversationSpec, SimTurns
+from stages.bench.sim.kv_objective_study import BALANCERS, POLICY, latency_cells
 from stages.bench.sim.synthetic import SyntheticSpec, stand_in_artifact, synthetic_signatures
 from stages.routing.cost_model import cost_model_for
 from stages.routing.policy_config import PolicyConfig
-
-BALANCERS = ("rr", "jsq", "random", "p2c")
-POLICY = "eldr-kv"
 
 
 def _later_distinct(outcome: ConversationOutcome, turns: SimTurns) -> float:
@@ -44,12 +41,9 @@ def _later_distinct(outcome: ConversationOutcome, turns: SimTurns) -> float:
 
 
 def _latency(outcome: ConversationOutcome, turns: SimTurns) -> dict[str, float]:
-    ttft = outcome.first_token - outcome.arrival
-    output = np.array([a.size for a in turns.answers])
-    tpot = request_tpot_s(np.ones(len(turns), bool), output, ttft, outcome.done - outcome.arrival)
-    return {"ttft_later_p50_ms": 1e3 * float(np.median(ttft[turns.turn >= 2])),
-            "tpot_p50_ms": 1e3 * float(np.nanmedian(tpot)),
-            "tpot_p99_ms": 1e3 * float(np.nanpercentile(tpot, 99)),
+    cells = latency_cells(outcome, turns)
+    return {"ttft_later_p50_ms": 1e3 * cells["ttft_later_p50"],
+            "tpot_p50_ms": 1e3 * cells["tpot_p50"], "tpot_p99_ms": 1e3 * cells["tpot_p99"],
             # Arrival to last token, the mean over turns: the seconds a choice costs every
             # request it touches, summed (TTFT and TPOT x tokens in one currency).
             "latency_mean_ms": 1e3 * float(np.mean(outcome.done - outcome.arrival))}
