@@ -40,7 +40,7 @@ def test_a_recording_holds_the_dataset_against_a_second_writer(tmp_path: Path) -
         with pytest.raises(EldrError, match="one writer"):
             SignatureDataset.create_or_open(path, IDENTITY, "v")
         assert recording.put([_row("r0"), _row("r1")])  # its own writer process appends
-        deadline = time.monotonic() + 120  # the writer runs at nice 19
+        deadline = time.monotonic() + 120  # the writer runs at a low priority (nice 10)
         while recording.counts.appended < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert recording.counts.appended == 2, recording.counts

@@ -9,9 +9,9 @@ process, not a thread: an append is about 45-80 ms of zarr work that holds the G
 (its own event loop, a thread pool, codecs). In a thread it raised the proxy's p99 at
 concurrency 1 from 1.6-1.7 ms to 2.7-3.0 ms; from a process, to 2.1-2.2 ms (``examples.
 bench_proxy``, ``eldr-union-pub`` against ``eldr-union-rec``), and with the process at the
-lowest CPU priority (it yields a short machine's cores to serving), 1.7-2.5 ms with the p50
+lowest CPU priority, 19 (it yields a short machine's cores to serving), 1.7-2.5 ms with the p50
 1.21-1.22 ms against 1.17-1.22. The live process pays for pickling the raw rows (about 5 us a
-row).
+row). Low priority, not the lowest: see ``WRITER_NICE``.
 
 Each append commits (``SignatureDataset.append`` bumps the commit pointer last), so a kill -9
 of the live process loses at most the rows not yet handed over (the writer watches its parent
@@ -74,6 +74,14 @@ class _Appended:
     error: str | None = None
 
 
+# The writer's niceness. An append costs about 50 ms of CPU every ``handover_s`` (2 s), 2.5% of
+# a core. At 10 (CFS weight 110 against 1,024 at 0) the writer still gets about 5% of a core
+# beside two busy processes on each core, so it keeps up on a saturated machine. At 19 (weight
+# 15) it got 0.7% and fell behind for good: with four busy loops on two cores an append of 8
+# rows took 19-47 s (at 10: 2.5-7 s; at 0: 0.4-2.7 s), and a recording proxy stopped under CI's
+# load lost the rows still queued at its close.
+WRITER_NICE = 10
+
 # Held by the writer process while it appends, so a writer whose parent died ends the append
 # under way (it commits) before it exits.
 _APPENDING = threading.Lock()
@@ -90,7 +98,7 @@ def _exit_with_parent(*warm: object) -> None:
     # processes beside it (the proxy, the engines) instead of taking its share. Only after the
     # imports: a writer niced from its first instruction took minutes to start on a saturated
     # machine.
-    os.nice(19)
+    os.nice(WRITER_NICE)
     parent = multiprocessing.parent_process()
     if parent is None:
         return

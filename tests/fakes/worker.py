@@ -307,10 +307,15 @@ class BackgroundServer:
             time.sleep(0.01)
         raise RuntimeError(f"server on {self.url} did not start")
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop and wait for the lifespan's shutdown to end (a recording proxy writes its rows
+        there: under CI's load that took over 10 s, and a test went on to read an empty
+        dataset)."""
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout_s)
         self._sock.close()
+        if self._thread.is_alive():
+            raise RuntimeError(f"server on {self.url} did not stop within {timeout_s:g} s")
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
