@@ -19,6 +19,14 @@ from typer.testing import CliRunner
 
 from eldr_cli.app import app
 from stages.bench.live.cache_counters import block_size_of, cache_counters
+from stages.bench.live.engine_latency import (
+    E2E,
+    QUEUE,
+    TTFT,
+    EngineLatency,
+    engine_latency,
+    ttft_parts_ms,
+)
 from stages.bench.live.targets import bench_targets, parse_router, parse_variant
 from stages.errors import EldrError
 from stages.routing.policy_config import PolicyConfig
@@ -46,8 +54,12 @@ def counting_worker(behavior: FakeBehavior) -> Starlette:
         # Expert counters as eldr's plugin exports them: 3 distinct experts a decode step.
         experts = (f"eldr_decode_steps_total {10.0 * n}\n"
                    f"eldr_decode_active_experts_total {30.0 * n}\n")
+        # Latency histograms: 20 ms a whole request, 5 ms to the first token, 1 ms queued.
+        latency = "".join(f'{name}_{part}{{engine="0",model_name="tiny"}} {value}\n'
+                          for name, seconds in ((E2E, 0.020), (TTFT, 0.005), (QUEUE, 0.001))
+                          for part, value in (("sum", seconds * n), ("count", float(n))))
         return PlainTextResponse(METRICS_PAGE.format(queries=100.0 * n, hits=60.0 * n,
-                                                     pulled=40.0 * n) + experts)
+                                                     pulled=40.0 * n) + experts + latency)
 
     return Starlette(routes=[Route("/metrics", metrics)])
 
@@ -140,6 +152,27 @@ def test_a_router_benches_conversations_with_their_real_answers(
 
     assert [m.key for m in CONVERSATION_METRICS if m.key not in doc] == []
     assert "fake: prefill hit share per worker 0.60" in result.output
+    # Where TTFT goes: the prefill engines' 20 ms, the decode engines' 5 ms, the rest outside.
+    assert (doc["prefill_engine_ms"], doc["decode_engine_ttft_ms"],
+            doc["decode_engine_queue_ms"]) == pytest.approx((20.0, 5.0, 1.0))
+    assert doc["ttft_outside_engines_ms"] == pytest.approx(doc["mean_ttft_ms"] - 25.0)
+    assert "where TTFT goes" in result.output
+
+
+def test_latency_histograms_are_summed_over_engines_and_missing_ones_read_nan() -> None:
+    page = (f'{E2E}_sum{{engine="0"}} 1.0\n{E2E}_count{{engine="0"}} 10.0\n'
+            f'{E2E}_sum{{engine="1"}} 3.0\n{E2E}_count{{engine="1"}} 10.0\n'
+            f'{E2E}_bucket{{engine="0",le="0.1"}} 4.0\n{TTFT}_sum 0.5\n{TTFT}_count 5.0\n')
+    latency = engine_latency(page)
+    assert latency.mean_ms("e2e") == pytest.approx(200.0)
+    assert latency.mean_ms("ttft") == pytest.approx(100.0)
+    assert math.isnan(latency.mean_ms("queue"))  # not exported: NaN, never 0
+    later = engine_latency(page.replace(" 1.0\n", " 2.0\n").replace(" 10.0\n", " 15.0\n"))
+    assert later.minus(latency).mean_ms("e2e") == pytest.approx(1e3 * 1.0 / 10)
+    # A pool with no requests in a run (every turn prefilled on its decode worker): NaN.
+    parts = ttft_parts_ms(30.0, EngineLatency(0.0, 0.0), latency)
+    assert math.isnan(parts["prefill_engine_ms"])
+    assert parts["ttft_outside_engines_ms"] == pytest.approx(30.0 - 100.0)
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -534,6 +534,11 @@ def test_bench_conversations_on_the_live_workers(deployment: Deployment, tmp_pat
         assert doc["median_ttft_later_ms"] > 0 and doc["median_tpot_ms"] > 0
         assert 0 < doc["prefill_hit_share"] <= 1 and doc["ideal_prefill_hit_share"] > 0
         assert doc["decode_kv_pulled_tokens"] > 0
+        # Where TTFT goes, from the workers' own histograms: each engine's part is a part.
+        assert 0 < doc["prefill_engine_ms"] < doc["mean_ttft_ms"]
+        assert 0 < doc["decode_engine_queue_ms"] <= doc["decode_engine_ttft_ms"]
+        assert doc["decode_engine_ttft_ms"] < doc["mean_ttft_ms"]
+    assert "where TTFT goes" in out
 
 
 def test_results_files_carry_every_key_of_vllms_own_benchmark(

@@ -81,3 +81,14 @@ CONVERSATION_METRICS: tuple[Metric, ...] = (
     Metric("local_prefill_share", "local", "share"),
     Metric("failed", "fail", "requests"),
 )
+
+# Where a live router's mean TTFT goes, from the workers' own histograms
+# (``live.engine_latency``): the prefill engines' whole request, the decode engines' time to
+# first token (and the part of it queued: the KV pull's wait), and the rest (router, HTTP).
+TTFT_PARTS: tuple[Metric, ...] = (
+    Metric("mean_ttft_ms", "TTFT mean", "ms"),
+    Metric("prefill_engine_ms", "P engine", "ms"),
+    Metric("decode_engine_ttft_ms", "D engine TTFT", "ms"),
+    Metric("decode_engine_queue_ms", "of it queued", "ms"),
+    Metric("ttft_outside_engines_ms", "outside engines", "ms"),
+)

@@ -88,7 +88,7 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
     """The conversation bench's table: TTFT of first and later turns, TPOT, prefix-hit shares
     against the workload's ideal, KV tokens the decode workers pulled; then each router's
     hit share per prefill worker."""
-    from stages.bench.metric_registry import CONVERSATION_METRICS
+    from stages.bench.metric_registry import CONVERSATION_METRICS, TTFT_PARTS
 
     header = ["router", *(m.label for m in CONVERSATION_METRICS)]
     rows = [header]
@@ -104,6 +104,12 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
                  " workers' vllm:prefix_cache_hits / queries; P ideal = every turn on the"
                  " worker holding its history; D pulled = prompt tokens the decode workers"
                  " pulled over the KV connector")
+    parts = [[name, *(_fmt(_number(m.get(c.key))) for c in TTFT_PARTS)]
+             for name, m in metrics.items()
+             if math.isfinite(_number(m.get("decode_engine_ttft_ms")) or math.nan)]
+    if parts:
+        lines += ["", "where TTFT goes (means over all turns, ms; the workers' own histograms)"]
+        lines += _table([["router", *(c.label for c in TTFT_PARTS)], *parts])
     return "\n".join(lines)
 
 

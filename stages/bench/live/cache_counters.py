@@ -71,13 +71,6 @@ def cache_counters(text: str) -> CacheCounters:
                          sums.get(LOCAL_HIT, _NAN), sums.get(COMPUTED, _NAN))
 
 
-async def scrape_cache_counters(client: httpx.AsyncClient, worker_urls: Iterable[str],
-                                timeout_s: float = 10.0) -> dict[str, CacheCounters]:
-    """One scrape of every worker's cache counters (``scrape_metrics_pages``)."""
-    pages = await scrape_metrics_pages(client, worker_urls, timeout_s)
-    return {url: cache_counters(text) for url, text in pages.items()}
-
-
 def deltas(before: Mapping[str, CacheCounters], after: Mapping[str, CacheCounters]
            ) -> dict[str, CacheCounters]:
     return {url: after[url].minus(b) for url, b in before.items()}

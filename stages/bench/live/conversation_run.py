@@ -5,7 +5,8 @@ time, several conversations in flight at once.
 Round r runs every target once, in an order rotated by r (as ``loadgen``'s rounds: drift lands
 on all alike). Before and after each run the workers' own counters are read: each prefill
 worker's prefix-cache queries and hits, each decode worker's prompt tokens pulled over the KV
-connector, and the decode workers' expert counters when they export them.
+connector, every worker's latency histograms (``engine_latency``: where TTFT goes), and the
+decode workers' expert counters when they export them.
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from stages.bench.live import engine_latency
 from stages.bench.live.admin import ProxyAdmin
-from stages.bench.live.cache_counters import CacheCounters, deltas, scrape_cache_counters
+from stages.bench.live.cache_counters import CacheCounters, cache_counters, deltas
 from stages.bench.live.client import CompletionSettings, stream_chat
+from stages.bench.live.engine_latency import EngineLatency
 from stages.bench.live.targets import Target
-from stages.bench.live.worker_metrics import ExpertStats, expert_stats, scrape_decode_counters
+from stages.bench.live.worker_metrics import (
+    ExpertStats,
+    expert_stats,
+    scrape_decode_counters,
+    scrape_metrics_pages,
+)
 from stages.bench.metrics import RequestRecord
 from stages.bench.workloads.chat_tokens import ChatTokenizer
 from stages.bench.workloads.conversations import Conversation, History
@@ -85,6 +93,18 @@ class RunOutcome:
     decode: dict[str, CacheCounters]
     experts: ExpertStats | None
     dropped_pairs: int  # history pairs dropped to stay below the model's length
+    prefill_latency: dict[str, EngineLatency] = field(default_factory=dict)  # deltas per worker
+    decode_latency: dict[str, EngineLatency] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Counters:
+    """One scrape of every worker's pages."""
+
+    prefill: dict[str, CacheCounters]
+    decode: dict[str, CacheCounters]
+    prefill_latency: dict[str, EngineLatency]
+    decode_latency: dict[str, EngineLatency]
 
 
 def run_salt(seed: int, round_: int, target: str) -> str:
@@ -98,10 +118,15 @@ class _Run:
         self.settings = CompletionSettings(max_tokens=config.max_tokens, model=config.model,
                                            timeout_s=config.request_timeout_s)
 
-    async def _counters(self) -> tuple[dict[str, CacheCounters], dict[str, CacheCounters]]:
+    async def _counters(self) -> _Counters:
         cfg = self.cfg
-        return (await scrape_cache_counters(self.client, cfg.prefill_urls),
-                await scrape_cache_counters(self.client, cfg.decode_urls))
+        prefill = await scrape_metrics_pages(self.client, cfg.prefill_urls)
+        decode = await scrape_metrics_pages(self.client, cfg.decode_urls)
+        return _Counters(
+            {u: cache_counters(t) for u, t in prefill.items()},
+            {u: cache_counters(t) for u, t in decode.items()},
+            {u: engine_latency.engine_latency(t) for u, t in prefill.items()},
+            {u: engine_latency.engine_latency(t) for u, t in decode.items()})
 
     async def conversation(self, target: Target, index: int, conversation: Conversation,
                            origin: float, tag: str) -> tuple[list[TurnRecord], int]:
@@ -133,7 +158,7 @@ class _Run:
                        else cfg.policy_config.overrides(target.policy))
             await ProxyAdmin(self.client, target.url).set_policy(
                 target.policy, options, cfg.seed + round_)
-        prefill0, decode0 = await self._counters()
+        before = await self._counters()
         experts0 = (await scrape_decode_counters(self.client, cfg.decode_urls)
                     if cfg.decode_urls else None)
         semaphore = asyncio.Semaphore(cfg.max_concurrency)
@@ -146,15 +171,18 @@ class _Run:
         done = await asyncio.gather(*(one(i, c) for i, c in enumerate(conversations)))
         duration = time.perf_counter() - origin
         await asyncio.sleep(cfg.scrape_settle_s)
-        prefill1, decode1 = await self._counters()
+        after = await self._counters()
         experts = None
         if experts0 is not None:
-            after = await scrape_decode_counters(self.client, cfg.decode_urls)
-            experts = expert_stats(experts0, after, cfg.num_layers)
+            experts1 = await scrape_decode_counters(self.client, cfg.decode_urls)
+            experts = expert_stats(experts0, experts1, cfg.num_layers)
         turns = tuple(sorted((t for records, _ in done for t in records),
                              key=lambda t: t.record.start_s))
-        return RunOutcome(target.name, round_, turns, duration, deltas(prefill0, prefill1),
-                          deltas(decode0, decode1), experts, sum(d for _, d in done))
+        return RunOutcome(
+            target.name, round_, turns, duration, deltas(before.prefill, after.prefill),
+            deltas(before.decode, after.decode), experts, sum(d for _, d in done),
+            engine_latency.deltas(before.prefill_latency, after.prefill_latency),
+            engine_latency.deltas(before.decode_latency, after.decode_latency))
 
 
 def plan(targets: Sequence[Target], rounds: int) -> list[tuple[int, Target]]:

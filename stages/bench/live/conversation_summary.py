@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from stages.bench.live import engine_latency
 from stages.bench.live.cache_counters import total
 from stages.bench.live.conversation_run import RunOutcome
+from stages.bench.live.engine_latency import ttft_parts_ms
 from stages.bench.live.worker_metrics import total_expert_stats
 from stages.bench.metrics import RequestTable, summarize
 from stages.bench.results import PolicyResult, policy_json
@@ -53,6 +55,11 @@ def target_metrics(runs: Sequence[RunOutcome], block_size: int) -> dict[str, obj
     metrics["prefill_hit_of_ideal"] = (prefill.hit_share / ideal_share
                                        if ideal_share > 0 else math.nan)
     metrics["history_pairs_dropped"] = sum(r.dropped_pairs for r in runs)
+    ttft = table.ttft_s[table.success]
+    metrics |= ttft_parts_ms(
+        1e3 * float(ttft.mean()) if ttft.size else math.nan,
+        engine_latency.total(e for run in runs for e in run.prefill_latency.values()),
+        engine_latency.total(e for run in runs for e in run.decode_latency.values()))
     rounds = [r.experts for r in runs]
     experts = total_expert_stats(rounds)
     if experts is not None:
