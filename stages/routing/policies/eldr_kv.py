@@ -33,6 +33,7 @@ that cannot be tokenized as the worker does) eldr-kv is eldr-union.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -48,7 +49,6 @@ from stages.routing.policies.select import eligible_indices
 from stages.routing.scorers.kv_pull import kv_pull_s
 from stages.routing.scorers.load import added_step_s
 from stages.routing.scorers.prefill_queue import prefill_ready_s
-from stages.routing.scorers.residual_load import shared_load
 from stages.routing.scorers.step_wait import step_wait_s
 
 # When a request sets no max_tokens: what a chat answer runs to, roughly.
@@ -105,7 +105,13 @@ class EldrKvPolicy(EldrUnionPolicy):
 
     def __init__(self, context: RoutingContext, params: KVParams | None = None) -> None:
         super().__init__(context, params)
+        # Imported with the first policy built, as eldr-union's kernels are (``EldrUnionPolicy``).
+        from stages.routing.policies import kv_kernels
+
+        kv_kernels.warm()
+        self._kv_kernels = kv_kernels
         self._total = np.zeros(self.num_workers)
+        self._shared = np.zeros(self.num_workers)  # ``_beside``'s
         self._cost_for: tuple[int, int] | None = None
         self._cost: CostModel | None = None
         # Requests in flight, one row each (``_row`` maps a key to its row; freed rows are
@@ -157,9 +163,13 @@ class EldrKvPolicy(EldrUnionPolicy):
         cap = self.params.local_prefill_below
         if cap <= 0 or request.cached_tokens is None or request.prompt_tokens <= 0:
             return None
-        stay = self._decode_seconds(request)
-        if stay is None:
+        pi = self._pi(request)
+        if pi is None:
+            stay = self._blind_decode_seconds(request)
+        elif self._priced(request, pi, 0, 0.0) is None:
             return None
+        else:
+            stay = self._total
         cost = self._costs()
         lacking = np.maximum(request.prompt_tokens - request.cached_tokens, 0)
         # Local: the worker's batch (the request and those running there) waits while it
@@ -177,54 +187,67 @@ class EldrKvPolicy(EldrUnionPolicy):
     # --- decode ---
 
     def choose(self, request: RoutingRequest) -> int:
-        total = self._decode_seconds(request)
-        if total is None:  # every healthy worker full: the shortest queue drains first
-            return super().choose(request)
-        total += kv_pull_s(request.prompt_tokens, request.cached_tokens,
-                           self._costs().kv_transfer_per_token_s)
-        return _cheapest(total, request.eligible, self.rng)
-
-    def _decode_seconds(self, request: RoutingRequest) -> np.ndarray | None:
-        """[W] seconds the request adds over its decode on each worker (inf where a filter
-        keeps it off), the KV pull left out; None when every healthy worker is full."""
-        loads, eligible = request.loads, request.eligible
-        tokens = request.output_tokens or self.params.output_tokens
-        pi = self._predict(request)
+        pull_s = self._costs().kv_transfer_per_token_s
+        pi = self._pi(request)
         if pi is None:
-            pi = self._typical_pi()
-        total = self._total
+            total = self._blind_decode_seconds(request)
+            total += kv_pull_s(request.prompt_tokens, request.cached_tokens, pull_s)
+            return _cheapest(total, request.eligible, self.rng)
+        priced = self._priced(request, pi, request.prompt_tokens, pull_s)
+        if priced is None:  # every healthy worker full: the shortest queue drains first
+            return super().choose(request)
+        ties, first = priced
+        return first if ties == 1 else _cheapest(self._total, request.eligible, self.rng)
+
+    def _pi(self, request: RoutingRequest) -> np.ndarray | None:
+        """The request's inclusion probabilities: its signature's, else the mean request's
+        (``_typical_pi``), else None (no signature seen yet)."""
+        pi = self._predict(request)
+        return self._typical_pi() if pi is None else pi
+
+    def _priced(self, request: RoutingRequest, pi: np.ndarray, prompt_tokens: int,
+                pull_s: float) -> tuple[int, int] | None:
+        """``_total`` [W]: the seconds a request with ``pi`` adds over its decode on each
+        worker (inf where a filter keeps it off) plus the KV pull of ``prompt_tokens`` (0:
+        none) at ``pull_s`` a token; how many eligible workers tie the least and the first of
+        them (``kv_kernels.decode_seconds``). None when every healthy worker is full."""
+        ties, _ = self._score(request, pi, self.params.load_slack)
+        if ties == 0:
+            return None
+        assert self._load is not None and self._step is not None  # set with the first pi
+        tokens = request.output_tokens or self.params.output_tokens
+        cached = request.cached_tokens
+        # eldr-union's per-token seconds with the requests beside it over its life in place of
+        # those beside it now. The experts a worker reads stay as they are: the requests that
+        # replace the leaving ones are sent there for the same experts.
+        kernels = self._kv_kernels
+        return kernels.decode_seconds(
+            self._beside(request, tokens), self._latency, self._added, self._load.distinct,
+            self._step, request.loads, request.eligible, tokens, prompt_tokens,
+            kernels.NO_CACHED if cached is None else cached, pull_s, self._total)
+
+    def _blind_decode_seconds(self, request: RoutingRequest) -> np.ndarray:
+        """``_total`` [W] for a request priced before any signature was seen, the KV pull left
+        out: experts unknown, any constant count shifts every worker's step alike."""
+        loads, total = request.loads, self._total
+        tokens = request.output_tokens or self.params.output_tokens
         beside = self._beside(request, tokens)
-        if pi is not None:
-            ties, _ = self._score(request, pi, self.params.load_slack)
-            if ties == 0:
-                return None
-            assert self._load is not None and self._step is not None  # set with the first pi
-            fixed, per_seq, per_expert = self._step
-            # eldr-union's per-token seconds with the requests beside it over its life in
-            # place of those beside it now. The experts a worker reads stay as they are: the
-            # requests that replace the leaving ones are sent there for the same experts.
-            per_token = (fixed + per_seq * beside + per_expert * self._load.distinct
-                         + (beside + 1.0) * (per_seq + per_expert * self._added))
-            np.multiply(np.where(np.isinf(self._latency), np.inf, per_token), tokens, out=total)
-            running = fixed + per_seq * loads + per_expert * self._load.distinct
-        else:
-            # Experts unknown: any constant count shifts every worker's step alike.
-            total[:] = tokens * added_step_s(beside, self._costs(), distinct=0.0)
-            total[~self._admits(loads, eligible)] = np.inf
-            running = self._costs().step_time(loads, 0.0)
-        total += self._step_wait(loads, running)
+        total[:] = tokens * added_step_s(beside, self._costs(), distinct=0.0)
+        total[~self._admits(loads, request.eligible)] = np.inf
+        total += self._step_wait(loads, self._costs().step_time(loads, 0.0))
         return total
 
     def _step_wait(self, loads: np.ndarray, running_s: np.ndarray) -> np.ndarray:
-        """[W] the request's own wait for the step each worker runs (``scorers.step_wait``)."""
+        """[W] the request's own wait for the step each worker runs (``scorers.step_wait``;
+        ``kv_kernels.decode_seconds`` adds it where the request has a signature)."""
         return step_wait_s(loads, running_s)
 
     def _beside(self, request: RoutingRequest, tokens: int) -> np.ndarray:
         """[W] requests each worker will run beside this one over its life, as far as this
         policy saw them dispatched (fractional: ``scorers.residual_load``)."""
-        live = self._worker >= 0
-        return shared_load(self._worker[live], self._decisions - self._joined[live],
-                           self._tokens[live], tokens, self.num_workers)
+        self._kv_kernels.residual_load(self._worker, self._joined, self._tokens, self._decisions,
+                                 tokens, self._shared)
+        return self._shared
 
     def _typical_pi(self) -> np.ndarray | None:
         """A request without a signature (a local prefill chosen at arrival after prefill's
@@ -248,7 +271,7 @@ class EldrKvPolicy(EldrUnionPolicy):
         else:
             self._pi_sum += pi
             self._pi_seen += 1
-        scored = self._scored is request and np.isfinite(self._latency[worker])
+        scored = self._scored is request and math.isfinite(self._latency[worker])
         added = float(self._added[worker]) if scored else None
         super().on_dispatch(worker, request, key)
         if typical is not None:  # weighed as the mean request until it completes
