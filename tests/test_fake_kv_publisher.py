@@ -122,31 +122,44 @@ def test_a_step_of_prompts_is_published_as_one_batch_as_vllm_does() -> None:
     assert routing.prefill.index.held(0) == 7  # 15 stored, the oldest 8 removed, in order
 
 
+PROMPTS = ["one long prompt " * 25, "another long prompt " * 20]
+
+
+def _through_fake_worker(publisher: FakeKVPublisher,
+                         bench: Callable[[str], Awaitable[int]]) -> int:
+    """``bench`` run against a lean fake worker that publishes through ``publisher`` (closed
+    after): the requests it sent."""
+    sock = lean_worker.listening_socket(0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+
+    async def run() -> int:
+        workers = await lean_worker.start([sock], [FakeBehavior("bench", record=False)],
+                                          [publisher])
+        try:
+            return await bench(url)
+        finally:
+            workers[0].close()
+
+    try:
+        return asyncio.run(run())
+    finally:
+        publisher.close()
+
+
 @pytest.mark.parametrize("unique", [True, False])
 def test_the_bench_sends_new_prompts_each_time_or_the_same_ones_again(unique: bool) -> None:
     from examples.bench_proxy import _generate
 
     # Every new prompt makes the fake store blocks (one batch); a repeated one makes none.
     publisher = FakeKVPublisher(f"tcp://127.0.0.1:{_free_pair()}", None, block_size=32)
-    sock = lean_worker.listening_socket(0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
-    prompts = ["one long prompt " * 25, "another long prompt " * 20]
 
-    async def run() -> int:
-        workers = await lean_worker.start([sock], [FakeBehavior("bench", record=False)],
-                                          [publisher])
-        try:
-            requests, failed, _, _ = await _generate(url, "plain", 4, 0.5, 7, prompts, unique)
-        finally:
-            workers[0].close()
+    async def bench(url: str) -> int:
+        requests, failed, _, _ = await _generate(url, "plain", 4, 0.5, 7, PROMPTS, unique)
         assert failed == 0 and requests > 20
         return requests
 
-    try:
-        requests = asyncio.run(run())
-    finally:
-        publisher.close()
-    assert publisher.published == (requests if unique else len(prompts))
+    requests = _through_fake_worker(publisher, bench)
+    assert publisher.published == (requests if unique else len(PROMPTS))
 
 
 def test_the_bench_sends_no_point_a_new_prompt_an_earlier_point_sent() -> None:
@@ -155,28 +168,17 @@ def test_the_bench_sends_no_point_a_new_prompt_an_earlier_point_sent() -> None:
     # The fake holds every block sent (capacity to spare): a prompt sent again stores none.
     publisher = FakeKVPublisher(f"tcp://127.0.0.1:{_free_pair()}", None, block_size=32,
                                 capacity=1 << 20)
-    sock = lean_worker.listening_socket(0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
-    prompts = ["one long prompt " * 25, "another long prompt " * 20]
 
-    async def run() -> int:
-        workers = await lean_worker.start([sock], [FakeBehavior("bench", record=False)],
-                                          [publisher])
-        try:
-            sent = 0
-            for point in range(2):
-                requests, failed, _, _ = await _generate(url, "plain", 4, 0.3, 7, prompts,
-                                                         True, point * PROMPT_NUMBERS)
-                assert failed == 0 and requests > 10
-                sent += requests
-        finally:
-            workers[0].close()
+    async def bench(url: str) -> int:
+        sent = 0
+        for point in range(2):
+            requests, failed, _, _ = await _generate(url, "plain", 4, 0.3, 7, PROMPTS, True,
+                                                     point * PROMPT_NUMBERS)
+            assert failed == 0 and requests > 10
+            sent += requests
         return sent
 
-    try:
-        requests = asyncio.run(run())
-    finally:
-        publisher.close()
+    requests = _through_fake_worker(publisher, bench)
     assert publisher.published == requests  # the second point's prompts were new too
 
 

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
-from stages.serve.proxy.view.kv_events import DEFAULT_SILENT_AFTER_S
+from stages.serve.proxy.config import DEFAULT_SILENT_AFTER_S
 from stages.signature import wire
 from stages.signature.dataset import SignatureDataset
 from stages.vllm_compat import NEVER_RUN_ENV, NOT_RUN, installed_vllm, minor

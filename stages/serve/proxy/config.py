@@ -29,6 +29,10 @@ class Ejection:
             raise EldrError(f"outlier ejection needs after_failures >= 1 and 0 < base_s <="
                             f" max_s, got {self}")
 
+# A worker that owes KV events this long (a request sent that stores blocks, none came) is
+# routed on load alone until it publishes again.
+DEFAULT_SILENT_AFTER_S = 5.0
+
 
 @dataclass(frozen=True)
 class KVConfig:
@@ -39,9 +43,7 @@ class KVConfig:
     prefill_events: tuple[str | None, ...]  # one endpoint per prefill worker (None: none)
     decode_events: tuple[str | None, ...]
     hash_algo: str = "sha256"  # the workers' --prefix-caching-hash-algo
-    # A worker that owes events this long (a request sent that stores blocks, none came) is
-    # routed on load alone until it publishes again.
-    silent_after_s: float = 5.0
+    silent_after_s: float = DEFAULT_SILENT_AFTER_S
     # Where each worker publishes its blocks' expert counts, prefill workers first (empty:
     # none do; stages.capture.expert_events).
     expert_events: tuple[str | None, ...] = ()

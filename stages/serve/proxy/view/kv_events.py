@@ -37,12 +37,12 @@ from stages.routing.kv.event_messages import (
     decode_batch,
     external_hashes,
 )
+from stages.serve.proxy.config import DEFAULT_SILENT_AFTER_S
 from stages.serve.proxy.view.zmq_inbox import ZmqInbox
 
 log = logging.getLogger(__name__)
 
 END_SEQ = -1  # the replay socket's end-of-replay marker
-DEFAULT_SILENT_AFTER_S = 5.0
 # vLLM's replay buffer holds 10,000 batches and a subscription queues 1,000: a batch numbered
 # further back than that is a restarted publisher's, not a late duplicate.
 RESTART_DISTANCE = 20_000
