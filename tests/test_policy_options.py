@@ -36,8 +36,9 @@ def other_value(name: str, key: str) -> object:
         float: lambda: [default / 2, default * 2, 0.5, 0.0, 1.0],
         int: lambda: [default + 1, default - 1],
         bool: lambda: [not default],
-        # eldr-union's cost takes a preset, eldr-kv's decode_choice a moment
-        str: lambda: [f"{default}-other", "gpu", "cpu", "arrival"],
+        # eldr-union's cost takes a preset, eldr-kv's decode_choice a moment, its
+        # local_prefill_rule a rule
+        str: lambda: [f"{default}-other", "gpu", "cpu", "arrival", "holder"],
     }[kind]()
     for value in candidates:
         if value == default:

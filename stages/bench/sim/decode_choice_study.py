@@ -12,6 +12,11 @@ Per seed, on the same conversations:
   every turn, and the share of turns >= 2 a decode worker prefilled itself; with always-remote
   prefill, the share of turns >= 2 whose history holder (the decode worker holding the most of
   the prompt) was idle at their arrival (a local prefill there would stall no one).
+- with ``--holder-shared``, eldr-kv's ``local_prefill_rule`` ``holder`` (the history holder
+  prefills when it runs at most ``--holder-running`` requests that will share at most the
+  given share of the turn's decode steps) against always-remote in the same mode: TTFT p50 of
+  the turns >= 2, TPOT p50 and p99 as ratios, and the shares of first and later turns local;
+  a table per setting, seed by seed, closes the output.
 
 ``python -m stages.bench.sim.decode_choice_study --help`` runs it.
 """
@@ -20,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
@@ -49,8 +55,22 @@ def _latency(outcome: ConversationOutcome, turns: SimTurns) -> dict[str, float]:
             "latency_mean_ms": 1e3 * float(np.mean(outcome.done - outcome.arrival))}
 
 
+@dataclass(frozen=True)
+class HolderSweep:
+    """Rule 'holder' settings to compare with always-remote prefill (``--holder-*``)."""
+
+    shared: tuple[float, ...] = ()
+    running: int = 1
+    below: int = 1024
+
+
+def _ratio_key(choice: str, shared: float, cell: str) -> str:
+    return f"{choice}_holder{shared:g}_{cell}"
+
+
 def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: object,
-             local_below: Sequence[int]) -> dict[str, float]:
+             local_below: Sequence[int], holder: HolderSweep = HolderSweep()
+             ) -> dict[str, float]:
     """One seed's figures (see the module's docstring)."""
     def outcomes(policies: tuple[str, ...], **options: object
                  ) -> tuple[SimTurns, dict[str, ConversationOutcome]]:
@@ -76,7 +96,36 @@ def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: 
             row |= {f"{choice}_local{n}_{k}": v for k, v in _latency(local[POLICY], turns).items()}
             row[f"{choice}_local{n}_share_later"] = float(
                 np.mean(local[POLICY].prefill_worker[turns.turn >= 2] < 0))
+        remote = latency_cells(remote_run[POLICY], turns)
+        for shared in holder.shared:
+            _, local = outcomes((POLICY,), decode_choice=choice, local_prefill_rule="holder",
+                                local_prefill_below=holder.below,
+                                local_prefill_running=holder.running,
+                                local_prefill_shared=shared)
+            cells = latency_cells(local[POLICY], turns)
+            went = local[POLICY].prefill_worker < 0
+            row |= {_ratio_key(choice, shared, f"{c}_x"): cells[c] / remote[c]
+                    for c in ("ttft_later_p50", "tpot_p50", "tpot_p99")}
+            row[_ratio_key(choice, shared, "share_later")] = float(np.mean(went[turns.turn >= 2]))
+            row[_ratio_key(choice, shared, "share_first")] = float(np.mean(went[turns.turn == 1]))
     return row
+
+
+def _holder_table(rows: Sequence[dict[str, float]], holder: HolderSweep) -> None:
+    """Per setting and mode, seed by seed: TTFT p50 (t >= 2) and TPOT p99 against
+    always-remote, and the share of later turns local; ``met`` when every seed's TTFT ratio
+    is below 1 and its TPOT p99 ratio at most 1."""
+    print(f"rule 'holder' (running <= {holder.running}, lacking < {holder.below}) against"
+          " always-remote, per seed: TTFT p50 t>=2 x / TPOT p99 x / later turns local")
+    for choice in ("after-prefill", "arrival"):
+        for shared in holder.shared:
+            key = partial(_ratio_key, choice, shared)
+            cells = [(r[key("ttft_later_p50_x")], r[key("tpot_p99_x")], r[key("share_later")])
+                     for r in rows]
+            met = all(t < 1.0 and p <= 1.0 for t, p, _ in cells)
+            print(f"{choice} shared <= {shared:g}: " + "; ".join(
+                f"{t:.3f} / {p:.4f} / {100 * s:.1f}%" for t, p, s in cells)
+                + (" -- met" if met else " -- not met"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -90,7 +139,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tail-quality", type=float, default=0.0,
                         help="share of the uncached tail's routing the token predictor gets"
                         " right (0: the mean token's routing only)")
+    parser.add_argument("--holder-shared", default="",
+                        help="rule 'holder' bounds on the share of a turn's decode steps its"
+                        " holder's requests share, comma separated (empty: none compared)")
+    parser.add_argument("--holder-running", type=int, default=1,
+                        help="rule 'holder': the most requests the holder may run")
+    parser.add_argument("--holder-below", type=int, default=1024,
+                        help="rule 'holder': local only when the holder lacks fewer tokens")
     args = parser.parse_args(argv)
+    holder = HolderSweep(tuple(float(x) for x in args.holder_shared.split(",") if x),
+                         args.holder_running, args.holder_below)
     spec = SyntheticSpec()
     cost = cost_model_for(args.cost, spec.num_layers, spec.num_experts)
     rows = []
@@ -101,13 +159,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                                        conversation_rate=args.rate, seed=seed)
         base = ConversationSimConfig(cost=cost, workload=workload, seed=seed,
                                      arrival_tail_quality=args.tail_quality)
-        below = [int(n) for n in args.local_prefill_below.split(",")]
-        row = run_seed(base, arrays, spec.top_k, artifact, below)
+        below = [int(n) for n in args.local_prefill_below.split(",") if n]
+        row = run_seed(base, arrays, spec.top_k, artifact, below, holder)
         rows.append(row)
         print(f"seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
     for key in rows[0]:
         values = np.array([r[key] for r in rows])
         print(f"{key}: mean {values.mean():.4g} (min {values.min():.4g}, max {values.max():.4g})")
+    if holder.shared:
+        _holder_table(rows, holder)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import numpy as np
 
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import CostModel, cost_model_for, gpu_like
-from stages.routing.params import ParamError, option
+from stages.routing.params import ParamError, check_range, option
 from stages.routing.policies.base import PrefillRequest, RoutingRequest
 from stages.routing.policies.eldr_union import EldrUnionPolicy, UnionParams
 from stages.routing.policies.select import eligible_indices
@@ -64,6 +64,10 @@ DEFAULT_OUTPUT_TOKENS = 256
 # whose holder runs at most one request local (34-37% at 4/s; a rule tried by hand, seeds 0-4)
 # gave TTFT p50 (t >= 2) 0.91-0.93x but TPOT p50 +2% and p99 +0.5-0.7%.
 DEFAULT_LOCAL_PREFILL_BELOW = 0
+# How a decode worker is picked to prefill a request itself: "cost", the priced comparison of
+# the two paths (``choose_local``); "holder", the worker holding the most of the prompt when it
+# runs few requests that will share few of the request's decode steps (``_holder_local``).
+LOCAL_PREFILL_RULES = ("cost", "holder")
 # When the decode worker is chosen: after prefill, from its signature (the paper's rule), or
 # at arrival, from the signature at arrival (``stages.routing.arrival_signature``).
 DECODE_CHOICES = ("after-prefill", "arrival")
@@ -79,6 +83,16 @@ class KVParams(UnionParams):
                                       " request itself (no prefill worker, no KV hand-off) when"
                                       " it lacks fewer than this many of its prompt tokens and"
                                       " that is cheaper; 0: never")
+    local_prefill_rule: str = option(LOCAL_PREFILL_RULES[0], "which decode worker prefills a"
+                                     " request itself (under local_prefill_below): 'cost' (the"
+                                     " one where that is cheaper than the PD path) or 'holder'"
+                                     " (the one holding the most of the prompt, when it runs at"
+                                     " most local_prefill_running requests sharing at most"
+                                     " local_prefill_shared of the request's decode steps)")
+    local_prefill_running: int = option(1, "rule 'holder': the most requests its worker may run")
+    local_prefill_shared: float = option(0.5, "rule 'holder': the most of the request's decode"
+                                         " steps the requests its worker runs may share, summed"
+                                         " (0: idle or finishing as it starts)")
     decode_choice: str = option(DECODE_CHOICES[0], "when the decode worker is chosen:"
                                 " 'after-prefill' (from the prefill's signature) or 'arrival'"
                                 " (from the cached prefix's expert counts plus the token"
@@ -89,6 +103,14 @@ class KVParams(UnionParams):
         if self.local_prefill_below < 0:
             raise ParamError("local_prefill_below", "local_prefill_below must be >= 0, got"
                              f" {self.local_prefill_below}")
+        if self.local_prefill_rule not in LOCAL_PREFILL_RULES:
+            raise ParamError("local_prefill_rule", f"local_prefill_rule must be one of"
+                             f" {', '.join(LOCAL_PREFILL_RULES)}, got"
+                             f" {self.local_prefill_rule!r}")
+        if self.local_prefill_running < 0:
+            raise ParamError("local_prefill_running", "local_prefill_running must be >= 0, got"
+                             f" {self.local_prefill_running}")
+        check_range("local_prefill_shared", self.local_prefill_shared, 0.0)
         if self.decode_choice not in DECODE_CHOICES:
             raise ParamError("decode_choice", f"decode_choice must be one of"
                              f" {', '.join(DECODE_CHOICES)}, got {self.decode_choice!r}")
@@ -163,6 +185,8 @@ class EldrKvPolicy(EldrUnionPolicy):
         cap = self.params.local_prefill_below
         if cap <= 0 or request.cached_tokens is None or request.prompt_tokens <= 0:
             return None
+        if self.params.local_prefill_rule == "holder":
+            return self._holder_local(request, request.cached_tokens, cap)
         pi = self._pi(request)
         if pi is None:
             stay = self._blind_decode_seconds(request)
@@ -183,6 +207,25 @@ class EldrKvPolicy(EldrUnionPolicy):
         remote = stay + cost.kv_transfer_per_token_s * lacking + float(ready.min())
         worker = _cheapest(local, request.eligible, self.rng)
         return worker if local[worker] < remote[request.eligible].min() else None
+
+    def _holder_local(self, request: RoutingRequest, cached: np.ndarray, cap: int) -> int | None:
+        """Rule 'holder': the eligible worker holding the most of the prompt prefills it when
+        it lacks fewer than ``cap`` tokens, runs at most ``local_prefill_running`` requests
+        and those will share at most ``local_prefill_shared`` of the request's decode steps
+        (``_beside``, summed). Its stall then holds up few, and the request decodes beside
+        few, where the priced rule rarely finds its holder cheapest for decode."""
+        idx = eligible_indices(request.eligible)
+        holder = int(idx[np.argmax(cached[idx])])
+        if request.prompt_tokens - int(cached[holder]) >= cap:
+            return None
+        if request.loads[holder] > self.params.local_prefill_running:
+            return None
+        if self.worker_slots is not None and request.loads[holder] >= self.worker_slots:
+            return None
+        tokens = request.output_tokens or self.params.output_tokens
+        if self._beside(request, tokens)[holder] > self.params.local_prefill_shared + 1e-9:
+            return None
+        return holder
 
     # --- decode ---
 
