@@ -8,6 +8,7 @@ import pytest
 
 from stages.bench.sim.conversation_sim import ConversationSimConfig, simulate_outcomes
 from stages.bench.sim.conversation_workload import SimConversationSpec
+from stages.bench.sim.decode_choice_study import HolderSweep, print_holder_table, run_seed
 from stages.errors import EldrError
 from stages.routing.context import RoutingContext
 from stages.routing.cost_model import gpu_like
@@ -118,3 +119,23 @@ def test_the_simulator_sends_turns_local_only_to_holders_running_few(arrays) -> 
     _, idle = _simulate(arrays, local_prefill_running=0, local_prefill_shared=0.0, **rule)
     assert (idle.holder_load[idle.prefill_worker < 0] == 0).all()
     assert (idle.prefill_worker < 0).sum() <= local.sum()
+
+
+def test_the_study_compares_the_rule_with_always_remote_seed_by_seed(arrays, capsys) -> None:  # type: ignore[no-untyped-def]
+    spec = SimConversationSpec(conversations=40, turns=3, conversation_rate=6.0,
+                               think_time_s=0.5, system_prompts=2, system_tokens=64,
+                               message_tokens=48, output_tokens=32, max_model_len=4096)
+    base = ConversationSimConfig(cost=gpu_like(LAYERS, EXPERTS), workload=spec, num_prefill=2,
+                                 num_decode=4)
+    sweep = HolderSweep(shared=(1.0, 0.0), running=1, below=4096, only=True)
+    row = run_seed(base, arrays, TOP_K, None, (), sweep)
+    assert "kept" not in row  # only: no load balancers, no expert gain
+    for choice in ("after-prefill", "arrival"):
+        loose, idle = (f"{choice}_holder1", f"{choice}_holder0")
+        assert row[f"{loose}_share_later"] >= row[f"{idle}_share_later"]
+        assert row[f"{loose}_share_later"] > 0
+        assert np.isfinite([row[f"{loose}_ttft_later_p50_x"], row[f"{loose}_tpot_p99_x"]]).all()
+    print_holder_table([row], sweep)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("rule 'holder' (running <= 1, lacking < 4096)")
+    assert len(table) == 5 and table[1].startswith("after-prefill shared <= 1: ")

@@ -62,6 +62,7 @@ class HolderSweep:
     shared: tuple[float, ...] = ()
     running: int = 1
     below: int = 1024
+    only: bool = False  # skip the expert gain (the load balancers' runs)
 
 
 def _ratio_key(choice: str, shared: float, cell: str) -> str:
@@ -79,13 +80,16 @@ def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: 
         turns, out, _ = simulate_outcomes(config, arrays, top_k, artifact)  # type: ignore[arg-type]
         return turns, out
 
-    turns, after = outcomes((POLICY, *BALANCERS), decode_choice="after-prefill")
+    balancers = () if holder.only else BALANCERS
+    turns, after = outcomes((POLICY, *balancers), decode_choice="after-prefill")
     _, arrival = outcomes((POLICY,), decode_choice="arrival")
-    balancer = min(_later_distinct(after[b], turns) for b in BALANCERS)
-    gain_after = balancer - _later_distinct(after[POLICY], turns)
-    gain_arrival = balancer - _later_distinct(arrival[POLICY], turns)
-    row = {"balancer_distinct": balancer, "gain_after_prefill": gain_after,
-           "gain_arrival": gain_arrival, "kept": gain_arrival / gain_after}
+    row = {}
+    if balancers:
+        balancer = min(_later_distinct(after[b], turns) for b in balancers)
+        gain_after = balancer - _later_distinct(after[POLICY], turns)
+        gain_arrival = balancer - _later_distinct(arrival[POLICY], turns)
+        row = {"balancer_distinct": balancer, "gain_after_prefill": gain_after,
+               "gain_arrival": gain_arrival, "kept": gain_arrival / gain_after}
     for choice, remote_run in (("arrival", arrival), ("after-prefill", after)):
         row |= {f"{choice}_remote_{k}": v for k, v in _latency(remote_run[POLICY], turns).items()}
         # A later turn whose history holder runs nothing could prefill there stalling no one.
@@ -111,7 +115,7 @@ def run_seed(base: ConversationSimConfig, arrays: object, top_k: int, artifact: 
     return row
 
 
-def _holder_table(rows: Sequence[dict[str, float]], holder: HolderSweep) -> None:
+def print_holder_table(rows: Sequence[dict[str, float]], holder: HolderSweep) -> None:
     """Per setting and mode, seed by seed: TTFT p50 (t >= 2) and TPOT p99 against
     always-remote, and the share of later turns local; ``met`` when every seed's TTFT ratio
     is below 1 and its TPOT p99 ratio at most 1."""
@@ -146,9 +150,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="rule 'holder': the most requests the holder may run")
     parser.add_argument("--holder-below", type=int, default=1024,
                         help="rule 'holder': local only when the holder lacks fewer tokens")
+    parser.add_argument("--holder-only", action="store_true",
+                        help="skip the expert gain (the load balancers' runs): latency only")
     args = parser.parse_args(argv)
     holder = HolderSweep(tuple(float(x) for x in args.holder_shared.split(",") if x),
-                         args.holder_running, args.holder_below)
+                         args.holder_running, args.holder_below, args.holder_only)
     spec = SyntheticSpec()
     cost = cost_model_for(args.cost, spec.num_layers, spec.num_experts)
     rows = []
@@ -167,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         values = np.array([r[key] for r in rows])
         print(f"{key}: mean {values.mean():.4g} (min {values.min():.4g}, max {values.max():.4g})")
     if holder.shared:
-        _holder_table(rows, holder)
+        print_holder_table(rows, holder)
 
 
 if __name__ == "__main__":
