@@ -287,7 +287,8 @@ class EldrKvPolicy(EldrUnionPolicy):
 
     def _beside(self, request: RoutingRequest, tokens: int) -> np.ndarray:
         """[W] requests each worker will run beside this one over its life, as far as this
-        policy saw them dispatched (fractional: ``scorers.residual_load``)."""
+        policy saw them dispatched (fractional: ``scorers.residual_load``); one buffer, which
+        the next call overwrites."""
         self._kv_kernels.residual_load(self._worker, self._joined, self._tokens, self._decisions,
                                  tokens, self._shared)
         return self._shared
