@@ -291,6 +291,9 @@ def test_serve_passes_engine_args_and_served_name_to_the_workers(
 
         expert_event_endpoints: list[str | None] = []  # noqa: RUF012
 
+        def compute_groups(self, role: str) -> tuple[int, ...]:
+            return ()
+
         def kv_event_endpoints(self, role: str) -> list[str | None]:
             return [None]
 
@@ -353,6 +356,9 @@ def test_serve_on_an_open_address_without_a_key_is_refused_unless_insecure(
             self.decode_batch_endpoints = ["tcp://127.0.0.1:3"]
 
         expert_event_endpoints: list[str | None] = []  # noqa: RUF012
+
+        def compute_groups(self, role: str) -> tuple[int, ...]:
+            return ()
 
         def kv_event_endpoints(self, role: str) -> list[str | None]:
             return [None]
@@ -500,6 +506,9 @@ def test_serve_self_checks_started_workers_for_eldr_union(
             self.decode_batch_endpoints = [None] * len(self.decode_urls)
 
         expert_event_endpoints: list[str | None] = []  # noqa: RUF012
+
+        def compute_groups(self, role: str) -> tuple[int, ...]:
+            return ()
 
         def kv_event_endpoints(self, role: str) -> list[str | None]:
             return [None] * len(self.prefill_urls if role == "prefill" else self.decode_urls)

@@ -234,7 +234,8 @@ def _kv_config(o: ServeOptions, model: ResolvedModel,
     experts = cluster.expert_event_endpoints if cluster is not None else []
     return KVConfig(tokenizer=model.source, prefill_events=tuple(prefill),
                     decode_events=tuple(decode),
-                    expert_events=tuple(experts) if any(experts) else ())
+                    expert_events=tuple(experts) if any(experts) else (),
+                    prefill_compute=cluster.compute_groups("prefill") if cluster else ())
 
 
 def _cluster(o: ServeOptions, model: ResolvedModel, prefill_model: ResolvedModel | None,

@@ -82,6 +82,36 @@ def core_plan(roles: list[str], cores: list[int]) -> list[str | None]:
     return plan
 
 
+def shared_compute(devices: list[frozenset[int]]) -> tuple[int, ...]:
+    """A group per worker from the devices it runs on (its bound cores, or its GPUs): workers
+    whose devices overlap, directly or through others, share one group; a worker with none
+    (unbound) has a group of its own. A group's workers take turns on the same silicon, so a
+    queue on one delays the others."""
+    group = list(range(len(devices)))
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for i, mine in enumerate(devices):
+        for j in range(i):
+            if mine & devices[j]:
+                group[root(i)] = root(j)
+    roots: dict[int, int] = {}
+    return tuple(roots.setdefault(root(i), len(roots)) for i in range(len(devices)))
+
+
+def compute_groups(specs: list[ServerSpec], role: str) -> tuple[int, ...]:
+    """``shared_compute`` of ``role``'s workers: on CPU their bound cores (every rank's), on
+    GPUs their devices (``core_plan`` and ``gpu_plan`` put several workers on one when
+    short)."""
+    return shared_compute([
+        frozenset(core for ranks in (s.cpu_cores or "").split("|") if ranks
+                  for core in parse_cores(ranks)) or frozenset(s.gpus)
+        for s in specs if s.role == role])
+
+
 def gpu_plan(sizes: list[int], num_gpus: int) -> list[tuple[tuple[int, ...], float]]:
     """(GPU indices, --gpu-memory-utilization) per worker, ``sizes`` being each worker's
     tensor-parallel size: workers take the next GPUs in turn, wrapping round, and workers
@@ -286,6 +316,9 @@ class Cluster:
     @property
     def decode_urls(self) -> list[str]:
         return [s.url for s in self.specs if s.role == "decode"]
+
+    def compute_groups(self, role: str) -> tuple[int, ...]:
+        return compute_groups(self.specs, role)
 
     def kv_event_endpoints(self, role: str) -> list[str | None]:
         return [s.kv_events for s in self.specs if s.role == role]

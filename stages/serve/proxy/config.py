@@ -47,6 +47,11 @@ class KVConfig:
     # Where each worker publishes its blocks' expert counts, prefill workers first (empty:
     # none do; stages.capture.expert_events).
     expert_events: tuple[str | None, ...] = ()
+    # Per prefill worker, the compute it shares (equal: the same cores or GPU, as
+    # ``launcher.shared_compute`` groups them; empty: each its own). A prefill worker is priced
+    # by its group's queue: co-located workers take turns, so an idle one beside a busy one is
+    # not free.
+    prefill_compute: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         from stages.routing.kv.block_hashes import HASH_ALGOS
@@ -57,6 +62,10 @@ class KVConfig:
             raise EldrError(f"{len(self.expert_events)} expert event endpoints for {workers}"
                             " workers")
 
+        object.__setattr__(self, "prefill_compute", tuple(self.prefill_compute))
+        if self.prefill_compute and len(self.prefill_compute) != len(self.prefill_events):
+            raise EldrError(f"{len(self.prefill_compute)} compute groups for"
+                            f" {len(self.prefill_events)} prefill workers")
         object.__setattr__(self, "prefill_events", tuple(self.prefill_events))
         object.__setattr__(self, "decode_events", tuple(self.decode_events))
         if self.hash_algo not in HASH_ALGOS:

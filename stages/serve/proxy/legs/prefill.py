@@ -100,10 +100,10 @@ def prefill_request(ctx: RequestContext, eligible: np.ndarray) -> PrefillRequest
     state, prompt = ctx.state, ctx.prompt
     if prompt is None or state.kv is None:
         return None
-    return PrefillRequest(loads=state.prefill.loads(), eligible=eligible,
-                          prompt_tokens=prompt.tokens,
+    loads, queued = state.kv.prefill_queue(state.prefill.loads())
+    return PrefillRequest(loads=loads, eligible=eligible, prompt_tokens=prompt.tokens,
                           cached_tokens=state.kv.prefill.cached_tokens(prompt.reusable),
-                          queued_tokens=state.kv.prefill_queued)
+                          queued_tokens=queued)
 
 
 def choose_prefill(ctx: RequestContext, eligible: np.ndarray) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from stages.routing.kv.block_hashes import BlockHasher
 from stages.routing.kv.first_block_texts import FirstBlockTexts
 from stages.routing.kv.known_texts import Encoded, KnownTexts
 from stages.routing.kv.prompt_tokens import PromptTokenizer, Rendered
+from stages.routing.scorers.prefill_queue import shared_queue
 from stages.serve.proxy.config import KVConfig
 from stages.serve.proxy.view.kv_events import KVEventSource, KVView
 
@@ -71,6 +72,10 @@ class KVRouting:
         # Prompt tokens each prefill worker has yet to compute for the requests sent to it:
         # its queue, in the currency of prefill time.
         self.prefill_queued = np.zeros(len(config.prefill_events), dtype=np.int64)
+        # Prefill workers that share compute, grouped (None: each has its own): see
+        # ``prefill_queue``.
+        shared = len(set(config.prefill_compute)) < len(config.prefill_compute)
+        self.prefill_groups = np.array(config.prefill_compute, dtype=np.int64) if shared else None
         self._first_blocks: OrderedDict[tuple[Any, ...], tuple[int, int]] = OrderedDict()
         # Tokens a character, as the prompts encoded so far had them: a prompt held nowhere is
         # priced by its length in characters alone.
@@ -81,6 +86,14 @@ class KVRouting:
         self._exact: OrderedDict[tuple[Rendered, str | None, int], Prompt] = OrderedDict()
         self._exact_chars = 0
         self._exact_encoders = self._encoders()
+
+    def prefill_queue(self, loads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Requests and prompt tokens queued ahead of a new prefill on each prefill worker's
+        compute: its own, or its group's where workers share cores or a GPU."""
+        if self.prefill_groups is None:
+            return loads, self.prefill_queued
+        return (shared_queue(loads, self.prefill_groups),
+                shared_queue(self.prefill_queued, self.prefill_groups))
 
     def sources(self, role: str) -> list[KVEventSource | None]:
         events = self.config.prefill_events if role == "prefill" else self.config.decode_events
