@@ -57,6 +57,7 @@ def test_the_proxy_counts_a_groups_whole_queue_on_each_of_its_workers() -> None:
     routing.prefill_queued[:] = [700, 0, 50]
     loads, queued = routing.prefill_queue(np.array([2, 0, 1]))
     assert loads.tolist() == [2, 2, 1] and queued.tolist() == [700, 700, 50]
+    assert routing.state()["prefill_compute_groups"] == [0, 0, 1]  # /admin/state says so
     # Each on its own compute: the queues as they are.
     alone = KVRouting(KVConfig(tokenizer=TINY, prefill_events=(None, None),
                                decode_events=(None,), prefill_compute=(0, 1)))

@@ -252,4 +252,6 @@ class KVRouting:
 
     def state(self) -> dict[str, Any]:
         return {"prefill": self.prefill.state(), "decode": self.decode.state(),
-                "prefill_queued_tokens": self.prefill_queued.tolist()}
+                "prefill_queued_tokens": self.prefill_queued.tolist(),
+                # Prefill workers priced by one queue (they share cores or a GPU).
+                "prefill_compute_groups": list(self.config.prefill_compute)}
