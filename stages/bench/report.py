@@ -98,8 +98,15 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
     for name, m in metrics.items():
         per_worker = m.get("prefill_hit_share_by_worker")
         if isinstance(per_worker, list) and per_worker:
-            lines.append(f"{name}: prefill hit share per worker "
-                         + " / ".join(_fmt(_number(v)) for v in per_worker))
+            line = f"{name}: prefill hit share per worker " + " / ".join(
+                _fmt(_number(v)) for v in per_worker)
+            requests, engine = m.get("prefill_requests_by_worker"), m.get(
+                "prefill_engine_ms_by_worker")
+            if isinstance(requests, list) and isinstance(engine, list) and any(
+                    math.isfinite(_number(v) or math.nan) for v in engine):
+                line += ("; requests " + " / ".join(f"{_number(v) or 0:.0f}" for v in requests)
+                         + "; engine ms " + " / ".join(_fmt(_number(v)) for v in engine))
+            lines.append(line)
     lines.append("latencies in ms; t1 = first turns, t>=2 = later turns; P hit = prefill"
                  " workers' vllm:prefix_cache_hits / queries; P ideal = every turn on the"
                  " worker holding its history; D pulled = prompt tokens the decode workers"

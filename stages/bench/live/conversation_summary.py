@@ -55,6 +55,12 @@ def target_metrics(runs: Sequence[RunOutcome], block_size: int) -> dict[str, obj
     metrics["prefill_hit_of_ideal"] = (prefill.hit_share / ideal_share
                                        if ideal_share > 0 else math.nan)
     metrics["history_pairs_dropped"] = sum(r.dropped_pairs for r in runs)
+    # Each prefill worker's own share of the requests and mean time per request: whether a
+    # router's prefill time is its placement (workers sharing cores) or the work itself.
+    by_worker = [engine_latency.total(run.prefill_latency[u] for run in runs
+                                      if u in run.prefill_latency) for u in workers]
+    metrics["prefill_requests_by_worker"] = [e.e2e_n for e in by_worker]
+    metrics["prefill_engine_ms_by_worker"] = [e.mean_ms("e2e") for e in by_worker]
     ttft = table.ttft_s[table.success]
     metrics |= ttft_parts_ms(
         1e3 * float(ttft.mean()) if ttft.size else math.nan,
