@@ -84,3 +84,21 @@ def test_eldr_kv_sends_a_prefill_to_its_cache_holder_when_the_idle_worker_shares
     assert choose(loads, queued) == 1
     groups = np.array([0, 0])
     assert choose(shared_queue(loads, groups), shared_queue(queued, groups)) == 0
+
+
+def test_a_tie_between_workers_sharing_compute_goes_to_the_first_of_them() -> None:
+    policy = make_policy("eldr-kv", RoutingContext(num_workers=4, seed=0))
+    groups = np.array([0, 0, 1, 1])
+    cached = np.array([320, 320, 320, 320])  # every worker holds the system prompt
+    queued = shared_queue(np.array([0, 0, 500, 0]), groups)
+    loads = shared_queue(np.array([0, 0, 1, 0]), groups)
+
+    def choose(eligible: list[bool], compute: np.ndarray | None) -> int:
+        return policy.choose_prefill(PrefillRequest(loads, np.array(eligible), 1000, cached,
+                                                    queued, compute))
+
+    # Group 0 is idle: always its first worker, where one process batches the group's prefills.
+    assert {choose([True] * 4, groups) for _ in range(50)} == {0}
+    assert choose([False, True, True, True], groups) == 1
+    # Each on its own compute, a tie is drawn at random (both idle workers get some).
+    assert {choose([True] * 4, None) for _ in range(50)} == {0, 1}

@@ -47,6 +47,9 @@ class PrefillRequest(NamedTuple):
     prompt_tokens: int
     cached_tokens: np.ndarray  # int64 [P]: prompt tokens each holds as a cached prefix
     queued_tokens: np.ndarray  # int64 [P]: prompt tokens each has yet to compute
+    # int64 [P]: the compute each shares (equal: the same cores or GPU; loads and queues are
+    # then the group's); None: each has its own.
+    compute_groups: np.ndarray | None = None
 
 
 class DecodePolicy(ABC):

@@ -103,7 +103,7 @@ def prefill_request(ctx: RequestContext, eligible: np.ndarray) -> PrefillRequest
     loads, queued = state.kv.prefill_queue(state.prefill.loads())
     return PrefillRequest(loads=loads, eligible=eligible, prompt_tokens=prompt.tokens,
                           cached_tokens=state.kv.prefill.cached_tokens(prompt.reusable),
-                          queued_tokens=queued)
+                          queued_tokens=queued, compute_groups=state.kv.prefill_groups)
 
 
 def choose_prefill(ctx: RequestContext, eligible: np.ndarray) -> tuple[int, int]:
