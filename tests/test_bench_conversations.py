@@ -154,6 +154,9 @@ def test_a_router_benches_conversations_with_their_real_answers(
     assert "fake: prefill hit share per worker 0.60; requests 18; engine ms 20.00" in (
         result.output)
     assert doc["prefill_requests_by_worker"] == [18.0]
+    assert doc["decode_requests_by_worker"] == [18.0]
+    assert doc["decode_engine_ttft_ms_by_worker"] == [pytest.approx(5.0)]
+    assert "fake: decode requests per worker 18; engine TTFT ms 5.00" in result.output
     # Where TTFT goes: the prefill engines' 20 ms, the decode engines' 5 ms, the rest outside.
     assert (doc["prefill_engine_ms"], doc["decode_engine_ttft_ms"],
             doc["decode_engine_queue_ms"]) == pytest.approx((20.0, 5.0, 1.0))

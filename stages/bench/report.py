@@ -107,6 +107,13 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
                 line += ("; requests " + " / ".join(f"{_number(v) or 0:.0f}" for v in requests)
                          + "; engine ms " + " / ".join(_fmt(_number(v)) for v in engine))
             lines.append(line)
+        requests, ttft = m.get("decode_requests_by_worker"), m.get(
+            "decode_engine_ttft_ms_by_worker")
+        if isinstance(requests, list) and isinstance(ttft, list) and any(
+                math.isfinite(_number(v) or math.nan) for v in ttft):
+            lines.append(f"{name}: decode requests per worker "
+                         + " / ".join(f"{_number(v) or 0:.0f}" for v in requests)
+                         + "; engine TTFT ms " + " / ".join(_fmt(_number(v)) for v in ttft))
     lines.append("latencies in ms; t1 = first turns, t>=2 = later turns; P hit = prefill"
                  " workers' vllm:prefix_cache_hits / queries; P ideal = every turn on the"
                  " worker holding its history; D pulled = prompt tokens the decode workers"

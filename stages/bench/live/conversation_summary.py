@@ -61,6 +61,14 @@ def target_metrics(runs: Sequence[RunOutcome], block_size: int) -> dict[str, obj
                                       if u in run.prefill_latency) for u in workers]
     metrics["prefill_requests_by_worker"] = [e.e2e_n for e in by_worker]
     metrics["prefill_engine_ms_by_worker"] = [e.mean_ms("e2e") for e in by_worker]
+    # The same for decode: whether a router concentrates decode on one worker or spreads it
+    # (workers sharing a core time-slice it), and each one's time to first token.
+    decoders = sorted({url for run in runs for url in run.decode_latency})
+    by_decoder = [engine_latency.total(run.decode_latency[u] for run in runs
+                                       if u in run.decode_latency) for u in decoders]
+    metrics["decode_workers"] = decoders
+    metrics["decode_requests_by_worker"] = [e.ttft_n for e in by_decoder]
+    metrics["decode_engine_ttft_ms_by_worker"] = [e.mean_ms("ttft") for e in by_decoder]
     ttft = table.ttft_s[table.success]
     metrics |= ttft_parts_ms(
         1e3 * float(ttft.mean()) if ttft.size else math.nan,
