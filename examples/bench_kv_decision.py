@@ -9,7 +9,7 @@ request has a 2,000-token prompt of which every worker holds a 400-token system 
 worker its history, and asks for 64-512 output tokens or sets none. Policies alternate in
 rounds, so a busy host disturbs both alike.
 
-    python examples/bench_kv_decision.py [--workers 16] [--rounds 3]
+    python -m examples.bench_kv_decision [--workers 16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from collections import deque
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from examples.bench_routing import InFlight
 from stages.bench.sim.synthetic import SyntheticSpec, synthetic_signatures
-from stages.serve.proxy.router.decode_router import Decision, DecodeRouter, KVInputs
+from stages.serve.proxy.router.decode_router import DecodeRouter, KVInputs
 from stages.signature import wire
 
 
@@ -43,7 +43,7 @@ def run(policy: str, packed: list[dict[str, object]], inputs: list[KVInputs],
     router = DecodeRouter(args.workers, policy, None, seed=args.seed, model_top_k=args.top_k)
     loads = np.zeros(args.workers, np.int64)
     eligible = np.ones(args.workers, bool)
-    running: deque[Decision] = deque()
+    in_flight = InFlight(loads, args.workers * args.in_flight)
     clock = time.perf_counter_ns
     warmup = 1000
     us = np.empty(args.requests)
@@ -53,12 +53,8 @@ def run(policy: str, packed: list[dict[str, object]], inputs: list[KVInputs],
         features = router.features(packed[i % len(packed)])
         decision = router.choose(features, loads, eligible, inputs[i % len(inputs)])
         t1 = clock()
-        loads[decision.worker] += 1
-        running.append(decision)
-        if len(running) > args.workers * args.in_flight:
-            done = running.popleft()
-            done.on_complete(done.worker)
-            loads[done.worker] -= 1
+        in_flight.dispatch(decision)
+        in_flight.retire()
         if i >= warmup:
             us[i - warmup] = (t1 - t0) / 1e3
     return us

@@ -31,7 +31,7 @@ import argparse
 import gc
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -60,6 +60,27 @@ class BenchArtifact:
     token_predictor: TokenPredictor | None = None
 
 
+@dataclass
+class InFlight:
+    """The decode workers' requests in flight: a steady ``capacity`` of them, each new one
+    dispatched ending the oldest, as a loaded proxy sees them."""
+
+    loads: np.ndarray  # int64 [W], updated in place
+    capacity: int
+    running: deque[Decision] = field(default_factory=deque)
+
+    def dispatch(self, decision: Decision) -> None:
+        self.loads[decision.worker] += 1
+        self.running.append(decision)
+
+    def retire(self) -> None:
+        """Complete the oldest request once more than ``capacity`` run."""
+        if len(self.running) > self.capacity:
+            done = self.running.popleft()
+            done.on_complete(done.worker)
+            self.loads[done.worker] -= 1
+
+
 def percentiles(us: np.ndarray) -> str:
     p50, p99, p999 = np.percentile(us, [50, 99, 99.9])
     return f"p50 {p50:6.1f} us  p99 {p99:6.1f} us  p99.9 {p999:6.1f} us  mean {us.mean():6.1f} us"
@@ -82,8 +103,7 @@ def run_policy(
     router = DecodeRouter(args.workers, policy, artifact, seed=args.seed)
     eligible = np.ones(args.workers, bool)
     loads = np.zeros(args.workers, np.int64)
-    running: deque[Decision] = deque()
-    capacity = args.workers * args.in_flight
+    in_flight = InFlight(loads, args.workers * args.in_flight)
     clock = time.perf_counter_ns
     warmup = 2000
     features_us = np.empty(args.requests)
@@ -96,13 +116,9 @@ def run_policy(
         t1 = clock()
         decision = router.choose(features, loads, eligible)
         t2 = clock()
-        loads[decision.worker] += 1
-        running.append(decision)
+        in_flight.dispatch(decision)
         t3 = clock()
-        if len(running) > capacity:
-            done = running.popleft()
-            done.on_complete(done.worker)
-            loads[done.worker] -= 1
+        in_flight.retire()
         t4 = clock()
         if i >= warmup:
             j = i - warmup
@@ -156,7 +172,7 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
     eligible = np.ones(args.workers, bool)
     prefill_loads = np.zeros(prefill_workers, np.int64)
     prefill_eligible = np.ones(prefill_workers, bool)
-    running: deque[Decision] = deque()
+    in_flight = InFlight(loads, args.workers * args.in_flight)
     # As the proxy does once it has started (stages/serve/proxy/app.py): what start-up built
     # is frozen, so the collector walks only what the decisions allocate.
     gc.collect()
@@ -196,12 +212,8 @@ def run_kv(packed: list[dict[str, object]], args: argparse.Namespace,
                                 "block_size": block}], None])
         for view, worker in ((kv.prefill, prefill), (kv.decode, decision.worker)):
             view.apply(worker, i + 1, stored)  # as the worker's KV event would, ids included
-        loads[decision.worker] += 1
-        running.append(decision)
-        if len(running) > args.workers * args.in_flight:
-            done = running.popleft()
-            done.on_complete(done.worker)
-            loads[done.worker] -= 1
+        in_flight.dispatch(decision)
+        in_flight.retire()
         if i >= warmup:
             us[i - warmup] = (t1 - t0) / 1e3
     return us
