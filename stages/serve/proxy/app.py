@@ -34,6 +34,7 @@ from stages.serve.proxy.front.auth import auth_middleware
 from stages.serve.proxy.front.completions import chat_completions, completions
 from stages.serve.proxy.front.responses import SERVER_SEND, InternalErrorMiddleware, http_error
 from stages.serve.proxy.ops.health import health_loop
+from stages.serve.proxy.ops.readiness import Readiness, announce_ready
 from stages.serve.proxy.ops.rejoin import RestartCounts, no_restarts
 from stages.serve.proxy.router.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.router.online_refit import FitFn, balanced_fit
@@ -87,6 +88,7 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
         if state.kv is not None:
             for role, view in (("prefill", state.kv.prefill), ("decode", state.kv.decode)):
                 loops.append((f"eldr-kv-{role}", follow_kv_events(state.kv.sources(role), view)))
+        loops.append(("eldr-readiness", announce_ready(app.state.readiness, state)))
         if state.block_experts is not None and c.kv is not None:
             sources = [None if e is None else KVEventSource.parse(e) for e in c.kv.expert_events]
             loops.append(("eldr-experts", follow_kv_events(sources, state.block_experts)))
@@ -169,6 +171,7 @@ def create_app(
         lifespan=_lifespan,
     )
     app.state.proxy = state
+    app.state.readiness = Readiness(config)  # its bounds count from here: serving follows
     return app
 
 

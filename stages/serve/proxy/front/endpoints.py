@@ -10,6 +10,7 @@ from stages.serve.proxy.client.upstream import UPSTREAM_ERRORS, fetch
 from stages.serve.proxy.errors import json_error
 from stages.serve.proxy.front.peers import metrics_headers, metrics_of_all
 from stages.serve.proxy.front.responses import json_response
+from stages.serve.proxy.ops.readiness import Readiness
 from stages.serve.proxy.state import ProxyState
 
 
@@ -37,18 +38,29 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 "ok" once a prefill and a decode worker are in rotation and every stream the proxy
+    follows for them was heard (ops.readiness): before, "warming" (503), since a request
+    recorded then could lose its row. ``unheard_streams`` names those not heard yet, or, once
+    ready, never heard within their bound."""
     state: ProxyState = request.app.state.proxy
+    readiness: Readiness = request.app.state.readiness
     prefill = int(state.prefill.eligible().sum())
     decode = int(state.decode.eligible().sum())
-    ok = prefill > 0 and decode > 0 and not state.draining
-    status = "draining" if state.draining else "ok" if ok else "unavailable"
+    verdict = readiness.check(state)
+    if state.draining:
+        status = "draining"
+    elif prefill == 0 or decode == 0:
+        status = "unavailable"
+    else:
+        status = "ok" if verdict.ready else "warming"
     return json_response(
         {
             "status": status,
             "prefill_healthy": prefill,
             "decode_healthy": decode,
+            "unheard_streams": verdict.unheard,
         },
-        status=200 if ok else 503,
+        status=200 if status == "ok" else 503,
     )
 
 
