@@ -75,12 +75,14 @@ def test_requests_sharing_a_client_id_each_keep_their_own_answer_row_and_load(
         return client.post("/v1/completions", json=body, headers={"X-Request-Id": SHARED_ID})
 
     with BackgroundServer(app) as proxy, httpx.Client(base_url=proxy.url, timeout=30) as client:
-        # Subscribed to both decode workers first (their heartbeats heard), as a running proxy
-        # is: a finished request published before the subscription joined is never seen
-        # (ZeroMQ's slow joiner), and its row would wait forever. CI's load made that happen.
+        # Ready, as a load balancer waits for it: both decode workers' batches heard, so no
+        # finished request is published before the subscription joined (ZeroMQ's slow
+        # joiner: its row would wait forever; CI's load made that happen).
         deadline = time.monotonic() + 30
-        while any(state.decode.published.age_s(w) is None for w in range(len(endpoints))):
-            assert time.monotonic() < deadline, "the decode workers' batches never came"
+        while (health := client.get("/health").json()) != {
+                "status": "ok", "prefill_healthy": 1, "decode_healthy": 2,
+                "unheard_streams": []}:
+            assert time.monotonic() < deadline, health
             time.sleep(0.05)
         with ThreadPoolExecutor(REQUESTS) as pool:
             answers = list(pool.map(lambda i: send(client, i), range(REQUESTS)))
