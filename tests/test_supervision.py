@@ -238,7 +238,7 @@ def test_a_killed_worker_leaves_routing_is_restarted_and_rejoins(
         def health() -> dict:  # type: ignore[type-arg]
             return client.get("/health").json()  # type: ignore[no-any-return]
 
-        full = {"status": "ok", "prefill_healthy": 1, "decode_healthy": 2}
+        full = {"status": "ok", "prefill_healthy": 1, "decode_healthy": 2, "unheard_streams": []}
         _wait(lambda: health() == full, 20, "fake workers up")
         supervisor.start()
         try:
