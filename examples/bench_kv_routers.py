@@ -28,11 +28,19 @@ ELDR_HOME that holds one (a ``signatures.zarr`` there and no artifact: it is fit
     python -m examples.bench_kv_routers --no-vllm-router --capture 400 --policies eldr-kv,jsq \
         --variant 'arrival=eldr-kv:{"decode_choice": "arrival"}' \
         --variant 'local-256=eldr-kv:{"local_prefill_below": 256}'
+
+eldr's policies price workers with a cost model; without one they take the GPU-like preset,
+whose ratios (a decode step against a prefill token, a KV pull, an expert) are not those of
+CPU workers. ``--engine-cost`` measures the served workers first (``eldr bench --engine-cost``,
+~4 min; it needs an artifact for the model's layer count: ``--capture N`` or ``--home``) and
+gives every eldr policy that model (``cost``), as a user would who measured their engine;
+``--home`` keeps it (``cost-model.json``) for the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -117,6 +125,9 @@ def main() -> None:
     ap.add_argument("--policy-config", default=None,
                     help="eldr's policy options, as `eldr bench --policy-config` takes them"
                     """ (e.g. '{"eldr-kv": {"cost": "cpu"}}' on CPU workers)""")
+    ap.add_argument("--engine-cost", action="store_true",
+                    help="measure the served workers' costs first (or reuse the home's"
+                    " cost-model.json) and price eldr's policies with them")
     ap.add_argument("--result-dir", type=Path, default=Path("results/kv-routers"))
     args = ap.parse_args()
     use_router = not args.no_vllm_router
@@ -150,8 +161,12 @@ def main() -> None:
                  "--result-dir", str(args.result_dir)]
         for variant in args.variant:
             bench += ["--variant", variant]
-        if args.policy_config:
-            bench += ["--policy-config", args.policy_config]
+        policy_config = args.policy_config
+        if args.engine_cost:
+            policy_config = _priced_by(_engine_cost(eldr, env, home, proxy), policy_config,
+                                       args.policies, args.variant)
+        if policy_config:
+            bench += ["--policy-config", policy_config]
         if not use_router:
             print(" ".join(bench[2:]), flush=True)
             subprocess.run(bench, env=env, check=True)
@@ -168,6 +183,37 @@ def main() -> None:
             bench += ["--router", f"{name}={router}"]
             print(" ".join(bench[2:]), flush=True)
             subprocess.run(bench, env=env, check=True)
+
+
+def _engine_cost(eldr: list[str], env: dict[str, str], home: Path, proxy: str) -> Path:
+    """The served workers' cost model: the home's, else measured now and kept there."""
+    cost = home / "cost-model.json"
+    if not cost.exists():
+        if not (home / "artifacts").exists():
+            raise SystemExit("--engine-cost needs an artifact for the model's layer count:"
+                             " give --capture N, or --home with one")
+        step = [*eldr, "bench", "--engine-cost", "--url", proxy, "--result-dir", str(home)]
+        print(" ".join(step[2:]), flush=True)
+        subprocess.run(step, env=env, check=True)
+    return cost
+
+
+def _priced_by(cost: Path, policy_config: str | None, policies: str,
+               variants: list[str]) -> str:
+    """``policy_config`` with ``cost`` set for every eldr policy benched (variants' included)
+    that it leaves without one."""
+    from dataclasses import fields
+
+    from stages.routing.policies import POLICIES
+
+    config = json.loads(policy_config) if policy_config else {}
+    names = set(policies.split(","))
+    names |= {v.split("=", 1)[1].split(":", 1)[0] for v in variants if "=" in v}
+    priced = [n for n in sorted(names) if n in POLICIES
+              and "cost" in {f.name for f in fields(POLICIES[n].Params)}]
+    for name in priced:
+        config.setdefault(name, {}).setdefault("cost", str(cost))
+    return json.dumps(config)
 
 
 def _calibrate(eldr: list[str], env: dict[str, str], home: Path, model: str, capture: int,

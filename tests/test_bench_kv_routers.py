@@ -1,13 +1,15 @@
-"""examples/bench_kv_routers.py finds vllm-router where `pip install vllm-router` put it."""
+"""examples/bench_kv_routers.py finds vllm-router where `pip install vllm-router` put it, and
+prices eldr's policies with the measured engine cost."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from examples.bench_kv_routers import find_vllm_router
+from examples.bench_kv_routers import _priced_by, find_vllm_router
 
 
 def test_vllm_router_is_found_beside_the_interpreter_when_path_lacks_it(
@@ -20,3 +22,14 @@ def test_vllm_router_is_found_beside_the_interpreter_when_path_lacks_it(
     assert find_vllm_router() == str(router)
     router.unlink()
     assert find_vllm_router() is None
+
+
+def test_the_measured_cost_prices_every_policy_that_takes_one_and_overrides_no_user_choice(
+        ) -> None:
+    cost = Path("/tmp/cost-model.json")
+    config = json.loads(_priced_by(
+        cost, '{"eldr-union": {"cost": "cpu"}, "eldr-kv": {"load_slack": 0.5}}',
+        "eldr-kv,eldr-union,eldr,jsq", ['arrival=kv:{"decode_choice": "arrival"}']))
+    # The user's own cost stays; eldr (the paper's rule) and jsq take none.
+    assert config == {"eldr-kv": {"load_slack": 0.5, "cost": str(cost)},
+                      "eldr-union": {"cost": "cpu"}, "kv": {"cost": str(cost)}}
