@@ -104,6 +104,10 @@ def _complete(url: str, model: str, prompt: str, max_tokens: int = 8) -> str:
 def test_prefill_variant_hands_kv_to_the_wide_tensor_parallel_decode_model(
     served: Served
 ) -> None:
+    # Ready (the fixture waited for it) meant heard: the decode worker's published batches
+    # reached the proxy, so no request recorded from then on can lose its row.
+    health = httpx.get(f"{served.url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["unheard_streams"] == [], health
     # Prompts shorter than one KV block, so the decode worker's prefix cache never serves
     # one path from the other's blocks.
     for prompt in ["def add(a, b):", "Solve: 3 + 4 ="]:
@@ -122,6 +126,7 @@ def test_prefill_variant_hands_kv_to_the_wide_tensor_parallel_decode_model(
     state = httpx.get(f"{served.url}/admin/state", timeout=10).json()
     for worker in state["prefill_workers"] + state["decode_workers"]:
         assert worker["self_check"]["verified"], worker
+    assert all(worker["batch_endpoint"] for worker in state["decode_workers"])  # followed
 
 
 def test_sigterm_stops_proxy_and_every_worker(served: Served) -> None:
