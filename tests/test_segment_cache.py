@@ -72,3 +72,39 @@ def test_the_cache_is_bounded_by_the_ids_it_holds_not_by_pieces() -> None:
     assert 0 < cache.tokens <= 1000
     assert cache.tokens == sum(len(ids) for ids in cache._pieces.values())
     assert len(cache._pieces) < 30  # the oldest went
+
+
+class Counting:
+    """A tokenizer that counts the texts it is asked to encode."""
+
+    def __init__(self, tok: object) -> None:
+        self.tok = tok
+        self.all_special_tokens = tok.all_special_tokens  # type: ignore[attr-defined]
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls += 1
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)  # type: ignore
+
+
+def test_new_pieces_are_encoded_by_the_rust_backend_with_the_tokenizers_ids() -> None:
+    tok = AutoTokenizer.from_pretrained(TINY)
+    counting = Counting(tok)
+    cache = SegmentCache(counting, backend=tok.backend_tokenizer, verify_every=1 << 30)
+    assert cache.enabled
+    calls = counting.calls  # the start-up samples are checked against the tokenizer itself
+    history = [{"role": "system", "content": "Answer in one line. " * 40}]
+    for turn in range(3):
+        history.append({"role": "user", "content": f" question {turn}: ünïcödé 12 + {turn}?"})
+        text = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        assert cache.encode(text) == tok.encode(text, add_special_tokens=False)
+        history.append({"role": "assistant", "content": f"because {turn}.\n\n"})
+    assert counting.calls == calls  # no piece went through the Python wrapper
+
+
+def test_the_prompt_tokenizer_gives_its_piece_cache_the_checked_backend() -> None:
+    from stages.routing.kv.prompt_tokens import PromptTokenizer
+
+    tokenizer = PromptTokenizer(TINY)
+    assert tokenizer.backend is not None
+    assert tokenizer._pieces._backend is tokenizer.backend

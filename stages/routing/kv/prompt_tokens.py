@@ -38,7 +38,6 @@ class PromptTokenizer:
         # vLLM checks a prompt against --max-model-len itself; the tokenizer's own limit would
         # only log a warning per long prompt here.
         self._tok.model_max_length = 1 << 62
-        self._pieces = SegmentCache(self._tok)
         self._specials = _added_specials(self._tok)
         # A fast tokenizer's Rust half, where it encodes as the tokenizer does (checked).
         backend = getattr(self._tok, "backend_tokenizer", None)
@@ -46,6 +45,7 @@ class PromptTokenizer:
             backend.encode(t, add_special_tokens=False).ids
             == list(self._tok.encode(t, add_special_tokens=False)) for t in _BACKEND_SAMPLES
         ) else None
+        self._pieces = SegmentCache(self._tok, backend=self._backend)
 
     @property
     def backend(self) -> Any | None:

@@ -33,8 +33,13 @@ SAMPLES = (
 
 class SegmentCache:
     def __init__(self, tokenizer: Any, max_tokens: int = DEFAULT_MAX_TOKENS,
-                 verify_every: int = 512) -> None:
+                 verify_every: int = 512, backend: Any | None = None) -> None:
+        """``backend``: the tokenizer's Rust half, where it encodes as the tokenizer does
+        (``PromptTokenizer.backend``): a new piece is encoded by it directly, without the
+        Python wrapper's work around each call (the samples below and the checks on live
+        requests still compare with the tokenizer's own ids)."""
         self._tok = tokenizer
+        self._backend = backend
         # Ids as 4-byte arrays: a tuple of Python ints costs ~36 bytes a token, and single-turn
         # traffic puts every prompt in here whole (2,000 tokens: 72 KB as a tuple).
         self._pieces: OrderedDict[str, array[int]] = OrderedDict()
@@ -72,6 +77,11 @@ class SegmentCache:
     def _whole(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
+    def _encode_piece(self, piece: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(piece, add_special_tokens=False).ids
+        return self._tok.encode(piece, add_special_tokens=False)
+
     def _cached(self, text: str) -> list[int]:
         assert self._cut is not None
         ids: list[int] = []
@@ -81,7 +91,7 @@ class SegmentCache:
                 continue
             hit = pieces.get(piece)
             if hit is None:
-                hit = array("i", self._tok.encode(piece, add_special_tokens=False))
+                hit = array("i", self._encode_piece(piece))
                 pieces[piece] = hit
                 self.tokens += len(hit)
                 while self.tokens > self._max_tokens and len(pieces) > 1:
