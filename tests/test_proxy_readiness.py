@@ -87,10 +87,13 @@ def _kv_state(policy: str) -> ProxyState:
 
 
 def test_kv_event_streams_are_waited_for_heard_or_untrusted() -> None:
-    state = _kv_state("kv")
-    readiness = Readiness(state.config, Clock())
-    assert readiness.check(state).unheard == ["KV events of prefill worker http://p0:1",
-                                              "KV events of decode worker http://d0:1"]
+    state, clock = _kv_state("kv"), Clock()
+    readiness = Readiness(state.config, clock)
+    streams = ["KV events of prefill worker http://p0:1", "KV events of decode worker http://d0:1"]
+    assert readiness.check(state) == Verdict(False, [], streams)
+    clock.now = 0.05  # their bound (silent_after_s): a worker that filled no block sends none
+    assert readiness.check(state) == Verdict(True, [], streams)
+    clock.now = 0.0
     assert state.kv is not None
     state.kv.prefill.apply(0, 0, EMPTY_KV_BATCH)  # heard (live, or replayed)
     assert not readiness.check(state).ready
@@ -98,12 +101,12 @@ def test_kv_event_streams_are_waited_for_heard_or_untrusted() -> None:
     # alone, so nothing waits on it.
     state.kv.decode.sent(0, [1, 2], unhashed=True)
     time.sleep(0.1)
-    assert readiness.check(state) == Verdict(True, [])
+    assert readiness.check(state) == Verdict(True, [], [])
 
 
 def test_kv_event_streams_are_not_waited_for_under_a_policy_that_ignores_them() -> None:
     state = _kv_state("jsq")
-    assert Readiness(state.config, Clock()).check(state) == Verdict(True, [])
+    assert Readiness(state.config, Clock()).check(state) == Verdict(True, [], [])
 
 
 # --- through HTTP, with fake workers whose publishers bind late or never ---

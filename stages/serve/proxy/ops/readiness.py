@@ -15,8 +15,9 @@ So the proxy is ready once, for every worker in rotation, it heard:
 
 A stream is waited for at most its silence bound (``batch_stale_after_s``, the KV view's
 ``silent_after_s``), counted from the app's creation: one attached without eldr's plugin never
-publishes batches, and one that stored no KV block since it started has none to replay. Past
-it the proxy is ready, and ``/health`` and a warning name the streams never heard.
+publishes batches, and one that filled no KV block since it started has no KV event to send or
+replay. Past it the proxy is ready; ``/health`` names the streams never heard, and a warning
+the batch streams among them (rows will be lost; a silent KV stream is no fault).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +42,14 @@ ANNOUNCE_POLL_S = 0.1
 @dataclass(frozen=True)
 class Verdict:
     ready: bool
-    # Streams of workers in rotation not heard yet (once ready: never heard within their bound).
-    unheard: list[str]
+    # Streams of workers in rotation not heard yet (once ready: never heard within their
+    # bound), batches then KV events.
+    batches: list[str]
+    kv: list[str]
+
+    @property
+    def unheard(self) -> list[str]:
+        return self.batches + self.kv
 
 
 class Readiness:
@@ -54,40 +61,49 @@ class Readiness:
 
     def check(self, state: ProxyState) -> Verdict:
         waited = self._clock() - self._since
-        unheard, waiting = [], False
-        for name, bound_s in self._unheard(state):
-            unheard.append(name)
-            waiting = waiting or waited < bound_s
-        return Verdict(not waiting, unheard)
+        batches, kv = self._unheard_batches(state), self._unheard_kv(state)
+        waiting = (bool(batches) and waited < self._batch_bound_s) or (
+            bool(kv) and waited < self._kv_bound_s)
+        return Verdict(not waiting, batches, kv)
 
-    def _unheard(self, state: ProxyState) -> Iterator[tuple[str, float]]:
+    @staticmethod
+    def _unheard_batches(state: ProxyState) -> list[str]:
         decode, published = state.decode, state.decode.published
-        if published is not None:
-            for w in np.flatnonzero(decode.eligible()):
-                if state.config.decode_batch_endpoints[w] is not None and published.age_s(
-                        w) is None:
-                    yield f"batches of decode worker {decode.urls[w]}", self._batch_bound_s
-        if state.kv is None or not state.kv_active:
-            return
+        if published is None:
+            return []
+        endpoints = state.config.decode_batch_endpoints
+        return [f"batches of decode worker {decode.urls[w]}"
+                for w in np.flatnonzero(decode.eligible())
+                if endpoints[w] is not None and published.age_s(w) is None]
+
+    @staticmethod
+    def _unheard_kv(state: ProxyState) -> list[str]:
         kv = state.kv
+        if kv is None or not state.kv_active:
+            return []
+        unheard = []
         for pool, view, endpoints in ((state.prefill, kv.prefill, kv.config.prefill_events),
                                       (state.decode, kv.decode, kv.config.decode_events)):
             trusted = view.trusted()
-            for w in np.flatnonzero(pool.eligible()):
-                if endpoints[w] is not None and view.last_seq[w] is None and trusted[w]:
-                    yield f"KV events of {pool.role} worker {pool.urls[w]}", self._kv_bound_s
+            unheard += [f"KV events of {pool.role} worker {pool.urls[w]}"
+                        for w in np.flatnonzero(pool.eligible())
+                        if endpoints[w] is not None and view.last_seq[w] is None and trusted[w]]
+        return unheard
 
 
 async def announce_ready(readiness: Readiness, state: ProxyState) -> None:
-    """Log once the proxy turns ready; a warning naming the streams it never heard."""
+    """Log once the proxy turns ready: a warning naming the batch streams it never heard."""
     started = time.monotonic()
     while not (verdict := readiness.check(state)).ready:
         await asyncio.sleep(ANNOUNCE_POLL_S)
-    if verdict.unheard:
-        log.warning(
-            "ready without hearing %s: a decode worker attached without eldr's plugin publishes"
-            " no batches (recorded requests it decodes lose their rows, the others' requests"
-            " on it are not counted), and one that stored no KV block has no events to replay",
-            ", ".join(verdict.unheard))
-    else:
+    if verdict.batches:
+        log.warning("ready without hearing %s: a decode worker attached without eldr's plugin"
+                    " publishes none (recorded requests it decodes lose their rows; the other"
+                    " proxies' requests on it are not counted)", ", ".join(verdict.batches))
+    if verdict.kv:
+        # Not a fault: a worker that filled no KV block since it started has sent no event
+        # (nor has any to replay), and one that never publishes is routed on load alone as
+        # soon as it owes events (kv_events).
+        log.info("ready without hearing %s yet", ", ".join(verdict.kv))
+    if not verdict.unheard:
         log.info("ready: every stream followed was heard (%.1f s)", time.monotonic() - started)
