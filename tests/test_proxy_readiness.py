@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+import zmq
 
 from stages.capture.batch_publisher import BatchPublisher
 from stages.paths import BUNDLED_MODELS_DIR
@@ -24,7 +25,7 @@ from stages.serve.proxy.state import ProxyState, build_state
 from stages.signature.dataset import SignatureDataset
 from tests.conftest import free_port
 from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
-from tests.test_proxy import fast_config
+from tests.test_proxy import dead_url, fast_config
 from tests.test_recording import sparse_decode, sparse_signature
 
 BATCHES = "tcp://127.0.0.1:{}"
@@ -183,6 +184,46 @@ def test_a_worker_that_never_publishes_stops_blocking_after_the_bound_and_is_nam
             assert time.monotonic() < deadline, caplog.text
             time.sleep(0.02)
         assert "ready without hearing" in caplog.text
+
+
+def test_a_decode_worker_gone_while_starting_leaves_rotation_and_is_not_waited_for(
+        unpublished_workers: Workers) -> None:
+    behaviors, servers, endpoints = unpublished_workers
+    behaviors[1].publisher = BatchPublisher(endpoints[0], heartbeat_s=0.2)
+    gone = dead_url()  # its process died before its API server (and publisher) came up
+    config = fast_config([servers[0].url], [servers[1].url, gone], policy="jsq",
+                         decode_batch_endpoints=tuple(endpoints), batch_stale_after_s=60)
+    with BackgroundServer(create_app(config)) as proxy, \
+            httpx.Client(base_url=proxy.url, timeout=10) as client:
+        health = _until_ok(client, timeout_s=30)  # the first probes took it out, not the bound
+        assert health.json() == {"status": "ok", "prefill_healthy": 1, "decode_healthy": 1,
+                                 "unheard_streams": []}
+
+
+def test_a_publisher_sending_what_cannot_be_decoded_is_never_heard(
+        unpublished_workers: Workers) -> None:
+    """Another wire version mid-rollout, or another program on the port: not heard, so the
+    proxy waits out the bound and names it."""
+    _, servers, endpoints = unpublished_workers
+    context = zmq.Context()
+    sockets = [context.socket(zmq.PUB) for _ in endpoints]
+    try:
+        for sock, endpoint in zip(sockets, endpoints, strict=True):
+            sock.bind(endpoint)
+        with _proxy(servers, endpoints, batch_stale_after_s=1.0) as proxy, \
+                httpx.Client(base_url=proxy.url, timeout=10) as client:
+            deadline = time.monotonic() + 30
+            while (health := client.get("/health")).status_code != 200:
+                for sock in sockets:
+                    sock.send(b'{"v": 99}')
+                assert time.monotonic() < deadline, health.text
+                time.sleep(0.05)
+            assert health.json()["unheard_streams"] == [
+                f"batches of decode worker {s.url}" for s in servers[1:]]
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        context.term()
 
 
 def test_requests_recorded_as_soon_as_health_says_ok_lose_no_row(
