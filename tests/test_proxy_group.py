@@ -5,6 +5,7 @@ that drains all, and no process left behind when the first one is killed."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -34,16 +35,42 @@ def workers() -> Iterator[list[BackgroundServer]]:
 
 
 def _group(workers: list[BackgroundServer], port: int, processes: int,
-           drain_s: float = 5.0) -> subprocess.Popen[str]:
+           drain_s: float = 5.0, extra: str = "") -> subprocess.Popen[str]:
+    """``extra``: more ProxyConfig fields. The group prints READY when it calls on_ready."""
     config = (f"ProxyConfig(prefill_urls=({workers[0].url!r},),"
               f" decode_urls=({workers[1].url!r}, {workers[2].url!r}), policy='jsq',"
-              " health_interval_s=0.2)")
+              f" health_interval_s=0.2{extra})")
     code = ("from stages.serve.proxy.config import ProxyConfig\n"
             "from stages.serve.proxy.group import serve_group\n"
             f"serve_group({config}, '127.0.0.1', {port}, {processes}, log_level='warning',"
-            f" drain_timeout_s={drain_s})\n")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+            f" drain_timeout_s={drain_s}, on_ready=lambda: print('READY', flush=True))\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def test_the_group_says_ready_once_every_process_heard_its_workers_streams(
+        workers: list[BackgroundServer]) -> None:
+    # The decode workers' batch streams at addresses nobody publishes on: each process stays
+    # "warming" for the streams' silence bound, then turns ready naming them.
+    silent = ", ".join(f"'tcp://127.0.0.1:{free_port()}'" for _ in range(2))
+    port = free_port()
+    started = time.monotonic()
+    proc = _group(workers, port, 2, extra=f", decode_batch_endpoints=({silent}),"
+                  " batch_stale_after_s=3.0")
+    try:
+        assert proc.stdout is not None
+        said, _, _ = select.select([proc.stdout], [], [], 60)
+        assert said, "the group never said it was ready"
+        assert proc.stdout.readline().strip() == "READY"
+        assert time.monotonic() - started >= 3.0  # not before the bound
+        for _ in range(10):  # new connections: the kernel spreads them over both processes
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+            assert health["status"] == "ok"
+            assert len(health["unheard_streams"]) == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert "READY" not in out  # once
 
 
 def _alive(pid: int) -> bool:

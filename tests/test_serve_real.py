@@ -103,6 +103,13 @@ def test_a_release_never_run_serves_after_its_warning_and_the_self_checks(
     self-checks every worker, and serves (every other test here)."""
     log = serve_log(deployment.home).read_text(errors="replace")
     assert f"eldr: warning: vLLM {installed_vllm()}: {NOT_RUN} were not run" in log
+    # Once /health said ok (the fixture waited for it), eldr serve says it is ready: the
+    # decode workers' batch streams were heard, so no recorded row is lost to a slow joiner.
+    deadline = time.monotonic() + 10
+    while "ready on http://" not in log and time.monotonic() < deadline:
+        time.sleep(0.2)
+        log = serve_log(deployment.home).read_text(errors="replace")
+    assert f"ready on {deployment.proxy_url}" in log
     state = httpx.get(f"{deployment.proxy_url}/admin/state", timeout=10).json()
     assert state["self_check"] == "on"
     prompt = PROMPTS[0]

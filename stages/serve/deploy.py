@@ -300,7 +300,9 @@ def run(deployment: ServePlan, echo: Callable[[str], None]) -> None:
         # the workers below are stopped only after the drain.
         serve_group(config, o.host, o.port, o.proxy_workers, log_level=o.log_level.lower(),
                     restarts=supervisor.restarts if supervisor is not None else no_restarts,
-                    drain_timeout_s=o.drain_timeout)
+                    drain_timeout_s=o.drain_timeout,
+                    on_ready=lambda: echo(f"ready on http://{o.host}:{o.port}: every proxy"
+                                          " heard its workers (/health ok)"))
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan workers.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -78,8 +78,11 @@ def serve_group(
     log_level: str = "info",
     restarts: RestartCounts = no_restarts,
     drain_timeout_s: float = 30.0,
+    on_ready: Callable[[], None] | None = None,
 ) -> None:
-    """Serve ``processes`` proxies on ``host``:``port`` until interrupted (blocking)."""
+    """Serve ``processes`` proxies on ``host``:``port`` until interrupted (blocking);
+    ``on_ready`` is called once, from a thread, when every process answers ``/health`` 200
+    (``ops.readiness``: each heard its workers' streams)."""
     if processes < 1:
         raise EldrError(f"--proxy-workers must be >= 1, got {processes}")
     if not hasattr(socket, "SO_REUSEPORT") and processes > 1:
@@ -106,16 +109,38 @@ def serve_group(
         return process
 
     others = _Others(start_one, public, lambda: listener(host, port, True, listen=False))
+    serving = threading.Event()
     try:
         others.start()
+        if on_ready is not None:
+            threading.Thread(target=_announce_ready, args=(urls, on_ready, serving),
+                             name="eldr-ready", daemon=True).start()
         # The supervisor's restart counts live in this process: only proxy 0 reports them.
         run_proxy(configs[0], host=host, port=port, log_level=log_level, restarts=restarts,
                   drain_timeout_s=drain_timeout_s, sockets=[public[0], control[0]],
                   on_signal=others.drain)
     finally:
+        serving.set()
         others.stop(drain_timeout_s + _STOP_GRACE_S)
         for sock in (*public, *control):
             sock.close()
+
+
+def _announce_ready(urls: list[str], on_ready: Callable[[], None], ended: threading.Event,
+                    poll_s: float = 0.2) -> None:
+    """Call ``on_ready`` once every proxy at ``urls`` answers ``/health`` 200, unless the
+    group ends first."""
+    import httpx
+
+    waiting = list(urls)
+    with httpx.Client(timeout=2.0) as client:
+        while waiting and not ended.wait(poll_s):
+            try:
+                waiting = [u for u in waiting if client.get(f"{u}/health").status_code != 200]
+            except httpx.HTTPError:
+                continue  # a process still starting: asked again at the next poll
+    if not waiting and not ended.is_set():
+        on_ready()
 
 
 def _serve_one(config: ProxyConfig, sockets: list[socket.socket], log_level: str,
