@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -261,11 +262,18 @@ def recorded_workers() -> Iterator[tuple[list[BackgroundServer], list[str]]]:
             behavior.publisher.close()
 
 
+@contextmanager
 def _recording_proxy(servers: list[BackgroundServer], endpoints: list[str], record: RecordConfig,
-                     **kw: object) -> BackgroundServer:
+                     **kw: object) -> Iterator[BackgroundServer]:
+    """A recording proxy, once its /health says ok: it heard both decode workers' batches, so
+    no request's counts are published before its subscription joined (ZeroMQ's slow joiner)."""
+    from stages.procs.health import wait_healthy
+
     config = fast_config([servers[0].url], [s.url for s in servers[1:]], policy="jsq",
                          decode_batch_endpoints=tuple(endpoints), record=record, **kw)
-    return BackgroundServer(create_app(config))
+    with BackgroundServer(create_app(config)) as proxy:
+        wait_healthy(proxy.url, 30, lambda: None, interval_s=0.05)
+        yield proxy
 
 
 def _prompt(i: int) -> str:
