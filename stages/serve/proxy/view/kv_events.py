@@ -8,6 +8,13 @@ again from the first missing number whenever the sequence jumps. A gap the repla
 empty), clears that worker's blocks: knowing less only costs a hit, a block the worker no
 longer holds would send requests where their KV is not.
 
+Batches from a worker's stream are applied when the view is next read, or once the event loop
+has had ``FLUSH_DELAY_S`` to spare, not as each arrives: a worker publishes a request's blocks
+as it answers it (a prefill's blocks with its answer, a decode's with its first token), so a
+batch applied on arrival is applied on that request's critical path, between its answer and
+the proxy's next step. Every read applies what has come first, so a decision sees all the
+batches received before it, as before.
+
 Trust is judged when the view is read. A worker is untrusted (its index counts as holding
 nothing, so it is routed on load alone; ``/metrics`` and ``/admin/state`` say so) while a
 request that should have made it store blocks was sent there more than ``silent_after_s`` ago
@@ -46,6 +53,9 @@ END_SEQ = -1  # the replay socket's end-of-replay marker
 # vLLM's replay buffer holds 10,000 batches and a subscription queues 1,000: a batch numbered
 # further back than that is a restarted publisher's, not a late duplicate.
 RESTART_DISTANCE = 20_000
+# How long a received batch may wait for a read of the view before it is applied anyway (when
+# the proxy is idle, or reads only the other pool's view).
+FLUSH_DELAY_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,11 @@ class KVView:
         # Since when a worker owes a valid message (a request sent that stores blocks, or an
         # undecodable message); None: it owes none.
         self._owed_since: list[float | None] = [None] * num_workers
+        # Batches received from the streams, not applied yet (``receive``), and the number of
+        # each worker's last one.
+        self._pending: list[tuple[int, int, bytes]] = []
+        self._pending_seq: list[int | None] = [None] * num_workers
+        self._flush_at: asyncio.TimerHandle | None = None
         self.events = np.zeros(num_workers, dtype=np.int64)
         self.gaps = np.zeros(num_workers, dtype=np.int64)  # sequence jumps seen
         self.lost = np.zeros(num_workers, dtype=np.int64)  # of them, not repaired by a replay
@@ -92,6 +107,7 @@ class KVView:
     # --- reading ---
 
     def trusted(self) -> np.ndarray:
+        self.flush()
         owed_since = self._owed_since
         if owed_since.count(None) == len(owed_since):
             return np.ones(len(owed_since), dtype=bool)  # the usual case, read per request
@@ -101,6 +117,7 @@ class KVView:
 
     def cached_tokens(self, hashes: Sequence[int]) -> np.ndarray:
         """int64 [W]: prompt tokens each worker holds as a cached prefix (0 where untrusted)."""
+        self.flush()
         if self.block_size is None or not hashes:
             return np.zeros(self.num_workers, dtype=np.int64)
         blocks = self.index.leading_blocks(hashes)
@@ -115,11 +132,40 @@ class KVView:
         no worker holds (a prompt matched from its head alone), so it owes events whatever it
         holds of ``hashes``; without it, a worker whose stream died would stay trusted under
         traffic of new prompts, which are all matched so."""
+        self.flush()
         if self._owed_since[worker] is None and (
                 unhashed or not self.index.holds_all(worker, hashes)):
             self._owed_since[worker] = self._clock()
 
     # --- what the worker published ---
+
+    def receive(self, worker: int, seq: int, payload: bytes) -> None:
+        """One ``(seq, payload)`` from ``worker``'s stream, applied at the next read of the
+        view, or ``FLUSH_DELAY_S`` from now (from the event loop's thread)."""
+        last = self.latest_seq(worker)
+        if last is not None and last - RESTART_DISTANCE < seq <= last and seq != 0:
+            return  # a batch already received (the replay and the stream overlap)
+        self._pending.append((worker, seq, payload))
+        self._pending_seq[worker] = seq
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(FLUSH_DELAY_S, self.flush)
+
+    def latest_seq(self, worker: int) -> int | None:
+        """The number of the last batch received from ``worker``, applied or not."""
+        pending = self._pending_seq[worker]
+        return self.last_seq[worker] if pending is None else pending
+
+    def flush(self) -> None:
+        """Applies the batches received and not applied yet, in the order they came."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        self._pending_seq = [None] * self.num_workers
+        for worker, seq, payload in pending:
+            self.apply(worker, seq, payload)
 
     def apply(self, worker: int, seq: int, payload: bytes) -> None:
         """One ``(seq, payload)`` from ``worker``'s stream or its replay."""
@@ -143,6 +189,7 @@ class KVView:
         self._owed_since[worker] = None
 
     def malformed(self, worker: int, why: str) -> None:
+        self.flush()  # what came before it was valid, and must not clear what this owes
         self.undecodable[worker] += 1
         if self._owed_since[worker] is None:
             self._owed_since[worker] = self._clock()
@@ -168,7 +215,7 @@ class KVView:
             self.index.removed(worker, external_hashes(event.block_hashes))
 
     def state(self) -> list[dict[str, Any]]:
-        trusted = self.trusted()
+        trusted = self.trusted()  # applies what was received
         return [
             {"trusted": bool(trusted[w]), "blocks": self.index.held(w),
              "events": int(self.events[w]), "gaps": int(self.gaps[w]),
@@ -210,11 +257,17 @@ async def _follow(context: zmq.Context, worker: int, source: KVEventSource,
                 view.malformed(worker, f"{len(frames)} frames")
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
-            last = view.last_seq[worker]
+            deferred = isinstance(view, KVView)
+            last = view.latest_seq(worker) if deferred else view.last_seq[worker]
             if last is not None and seq > last + 1:
+                if deferred:
+                    view.flush()  # what came before the hole, then the replay's batches
                 repaired = await _replay(context, worker, source, view, last + 1)
                 view.gap(worker, repaired)
-            view.apply(worker, seq, frames[2])
+            if deferred:
+                view.receive(worker, seq, frames[2])
+            else:
+                view.apply(worker, seq, frames[2])
     finally:
         inbox.close()
 
