@@ -53,7 +53,10 @@ except ModuleNotFoundError as exc:
         f"{exc}: run from the repo root as `python -m examples.bench_kv_chat_overhead`"
     ) from exc
 
-ROUTERS = ("eldr-union", "eldr-kv")
+# "eldr-kv-eager": eldr-kv as it was before its view deferred the streams' batches to its next
+# read and its piece cache encoded through the Rust tokenizer (both switched back in its
+# process): the before side of an A/B in one run.
+ROUTERS = ("eldr-union", "eldr-kv", "eldr-kv-eager")
 TINY = str(BUNDLED_MODELS_DIR / "tiny")
 WORDS = ("the router reads each worker's cache of blocks and sends the request where its prompt"
          " is already held or where the queue is short experts decide the decode worker while"
@@ -202,10 +205,23 @@ def install_timers(timeline: Timeline, prefill_urls: tuple[str, ...]) -> None:
     KVView.apply = kv_apply  # type: ignore[method-assign]
 
 
-def serve_timed(config: Any, port: int, out: Path) -> None:
+def switch_back() -> None:
+    """eldr-kv-eager: each batch applied as it arrives, new pieces encoded by the wrapper."""
+    from stages.routing.kv.segment_cache import SegmentCache
+    from stages.serve.proxy.view.kv_events import KVView
+
+    KVView.receive = KVView.apply  # type: ignore[method-assign]
+    KVView.latest_seq = lambda self, worker: self.last_seq[worker]  # type: ignore[method-assign]
+    SegmentCache._encode_piece = (  # type: ignore[method-assign]
+        lambda self, piece: self._tok.encode(piece, add_special_tokens=False))
+
+
+def serve_timed(config: Any, port: int, out: Path, eager: bool = False) -> None:
     """The proxy, its stages timed; the timeline written to ``out`` when it stops."""
     timeline = Timeline()
     install_timers(timeline, config.prefill_urls)
+    if eager:
+        switch_back()  # after the timers: its batches are applied through the timed apply
     from stages.serve.proxy.app import run_proxy
 
     # Written when it is told to stop (the clients are done by then): it then drains and
@@ -220,7 +236,7 @@ def proxy_config(policy: str, prefill: list[str], decode: list[str], kv_events: 
 
     options = ServeOptions(
         policy=policy, port=port, attach_prefill=tuple(prefill), attach_decode=tuple(decode),
-        attach_kv_events=tuple(kv_events) if policy == "eldr-kv" else (),
+        attach_kv_events=tuple(kv_events) if policy.startswith("eldr-kv") else (),
         max_queued=None, served_model_name="fake-model")
     return replace(plan(options).proxy, model="fake-model")
 
@@ -232,8 +248,11 @@ def words(rng: np.random.Generator, n: int) -> str:
 
 
 async def converse(url: str, concurrency: int, seconds: float, turns: int, seed: int,
-                   history_tokens: int) -> list[tuple[int, float, float]]:
-    """Closed-loop conversations; per turn (turn number, ms to first byte, ms in all)."""
+                   history_tokens: int, single: bool = False,
+                   think_s: float = 0.0) -> list[tuple[int, float, float]]:
+    """Closed-loop conversations; per turn (turn number, ms to first byte, ms in all).
+    ``single``: single-turn completions instead, each a new prompt of about
+    ``history_tokens`` tokens (a request number first: no block of it is held anywhere)."""
     import orjson
 
     from stages.serve.proxy.client.http1 import Http1Client, Timeouts
@@ -248,7 +267,36 @@ async def converse(url: str, concurrency: int, seconds: float, turns: int, seed:
     timeouts = Timeouts(read_s=60.0, connect_s=60.0, acquire_s=60.0)
     headers = {"content-type": "application/json"}
 
+    texts = [words(rng, history_tokens * 10 // 13) for _ in range(16)]
+
+    async def one(http: Http1Client, path: str, body: bytes) -> tuple[float, float] | None:
+        t0 = time.perf_counter()
+        r = await http.post(url, path, body, headers, timeouts)
+        first = None
+        try:
+            async for _ in r.iter_chunks():
+                if first is None:
+                    first = time.perf_counter()
+            ok = r.status == 200
+        finally:
+            r.release()
+        end = time.perf_counter()
+        return (1e3 * (first - t0), 1e3 * (end - t0)) if ok and first is not None else None
+
+    async def single_turns(c: int, http: Http1Client) -> None:
+        n = 0
+        while time.monotonic() < stop_at:
+            n += 1
+            body = orjson.dumps({"model": "fake-model", "max_tokens": 8, "stream": True,
+                                 "prompt": f"{seed} {c} {n}: {texts[n % len(texts)]}"})
+            timed = await one(http, "/v1/completions", body)
+            if timed is not None:
+                out.append((1, *timed))
+            await asyncio.sleep(think_s)
+
     async def client(c: int, http: Http1Client) -> None:
+        if single:
+            return await single_turns(c, http)
         conversation = 0
         while time.monotonic() < stop_at:
             conversation += 1
@@ -260,19 +308,10 @@ async def converse(url: str, concurrency: int, seconds: float, turns: int, seed:
                                  f" {conversation} seed {seed}: {words(rng, per_turn // 3)}"})
                 body = orjson.dumps({"model": "fake-model", "messages": messages,
                                      "max_tokens": 8, "stream": True})
-                t0 = time.perf_counter()
-                r = await http.post(url, "/v1/chat/completions", body, headers, timeouts)
-                first = None
-                try:
-                    async for _ in r.iter_chunks():
-                        if first is None:
-                            first = time.perf_counter()
-                    ok = r.status == 200
-                finally:
-                    r.release()
-                end = time.perf_counter()
-                if ok and first is not None:
-                    out.append((turn, 1e3 * (first - t0), 1e3 * (end - t0)))
+                timed = await one(http, "/v1/chat/completions", body)
+                if timed is not None:
+                    out.append((turn, *timed))
+                await asyncio.sleep(think_s)  # the user reads the answer
                 messages.append({"role": "assistant", "content": words(rng, per_turn)})
 
     async with Http1Client(max_connections=concurrency, keepalive_s=4.0) as http:
@@ -354,18 +393,20 @@ def run_one(router: str, round_: int, args: argparse.Namespace, prefill: list[st
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     out = home / f"{router}-{round_}.json"
-    config = proxy_config(router, prefill, decode, kv_events, port)
-    proc = ctx.Process(target=serve_timed, args=(config, port, out), daemon=True)
+    config = proxy_config(router.removesuffix("-eager"), prefill, decode, kv_events, port)
+    proc = ctx.Process(target=serve_timed, args=(config, port, out, router.endswith("-eager")),
+                       daemon=True)
     proc.start()
     try:
         wait_healthy(url, 120, lambda: proc.exitcode, interval_s=0.2)
         # Warm: code paths, connections, and the KV view's replay of what the fakes hold.
-        uvloop.run(converse(url, 1, 1.0, args.turns, 10_000 + round_, args.history_tokens))
+        uvloop.run(converse(url, 1, 1.0, args.turns, 10_000 + round_, args.history_tokens,
+                            args.single))
         time.sleep(1.0)
         cpu0 = cpu_seconds(proc.pid)
         turns = uvloop.run(converse(url, args.concurrency, args.seconds, args.turns,
                                     round_ * 1000 + ROUTERS.index(router) + 1,
-                                    args.history_tokens))
+                                    args.history_tokens, args.single, args.think_ms / 1000))
         cpu = cpu_seconds(proc.pid) - cpu0
     finally:
         os.kill(proc.pid, signal.SIGTERM)
@@ -392,6 +433,12 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--history-tokens", type=int, default=2000,
                         help="about how long the last turn's prompt gets")
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="each client waits this long after an answer before its next"
+                        " request")
+    parser.add_argument("--single", action="store_true",
+                        help="single-turn completions instead of conversations: each request a"
+                        " new prompt of about --history-tokens tokens")
     parser.add_argument("--out", type=Path, default=Path("bench_kv_chat_overhead.json"))
     args = parser.parse_args()
 
