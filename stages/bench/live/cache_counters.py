@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from stages.bench.live.prometheus_text import increase, samples
+from stages.bench.live.prometheus_text import increases, samples, summed
 from stages.bench.live.worker_metrics import scrape_metrics_pages
 
 QUERIES = "vllm:prefix_cache_queries"
@@ -49,8 +49,7 @@ class CacheCounters:
     def minus(self, before: CacheCounters) -> CacheCounters:
         """``self - before``, counter by counter (``increase``: a restart in between counts
         what was counted since)."""
-        return CacheCounters(*(increase(getattr(before, f), getattr(self, f)) for f in (
-            "queries", "hits", "external_tokens", "local_hit_tokens", "computed_tokens")))
+        return increases(before, self)
 
 
 def _is(name: str, stem: str) -> bool:
@@ -77,10 +76,7 @@ def deltas(before: Mapping[str, CacheCounters], after: Mapping[str, CacheCounter
 
 
 def total(counters: Iterable[CacheCounters]) -> CacheCounters:
-    fields = ("queries", "hits", "external_tokens", "local_hit_tokens", "computed_tokens")
-    items = list(counters)
-    return CacheCounters(*(sum(getattr(c, f) for c in items) if items else _NAN
-                           for f in fields))
+    return summed(counters, CacheCounters())
 
 
 def block_size_of(text: str) -> int | None:

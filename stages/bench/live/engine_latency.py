@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from stages.bench.live.prometheus_text import increase, samples
+from stages.bench.live.prometheus_text import increases, samples, summed
 
 E2E = "vllm:e2e_request_latency_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
@@ -45,8 +45,7 @@ class EngineLatency:
 
     def minus(self, before: EngineLatency) -> EngineLatency:
         """``self - before`` (``increase``: a restart in between counts what came since)."""
-        return EngineLatency(*(increase(getattr(before, f.name), getattr(self, f.name))
-                               for f in fields(self)))
+        return increases(before, self)
 
     def mean_ms(self, stage: str) -> float:
         """The mean of ``stage`` (``e2e``, ``ttft`` or ``queue``) in ms; NaN without requests."""
@@ -73,10 +72,7 @@ def deltas(before: Mapping[str, EngineLatency], after: Mapping[str, EngineLatenc
 
 def total(latencies: Iterable[EngineLatency]) -> EngineLatency:
     """Summed over workers (the pool's mean is its total over its count)."""
-    items = list(latencies)
-    if not items:
-        return EngineLatency()
-    return EngineLatency(*(sum(getattr(e, f.name) for e in items) for f in fields(EngineLatency)))
+    return summed(latencies, EngineLatency())
 
 
 def ttft_parts_ms(client_mean_ttft_ms: float, prefill: EngineLatency, decode: EngineLatency

@@ -5,10 +5,14 @@ counted between two scrapes: the one reader the bench's counters (cache, decode 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator
+from dataclasses import fields
+from typing import Any, NamedTuple, TypeVar
 
 from stages.errors import EldrError
+
+# A frozen dataclass whose fields are all counters (floats, NaN where a scrape lacked one).
+C = TypeVar("C", bound=Any)
 
 
 class Sample(NamedTuple):
@@ -44,6 +48,21 @@ def increase(before: float, after: float) -> float:
     if math.isnan(before) or math.isnan(after):
         return float("nan")
     return after - before if after >= before else after
+
+
+def increases(before: C, after: C) -> C:
+    """``after - before`` for a dataclass of counters, field by field (``increase``)."""
+    return type(after)(*(increase(getattr(before, f.name), getattr(after, f.name))
+                         for f in fields(after)))
+
+
+def summed(items: Iterable[C], empty: C) -> C:
+    """A dataclass of counters summed field by field over ``items``; ``empty`` (its fields
+    NaN) when there are none, so a missing figure never reads as 0."""
+    items = list(items)
+    if not items:
+        return empty
+    return type(empty)(*(sum(getattr(c, f.name) for c in items) for f in fields(empty)))
 
 
 def _split_sample(line: str) -> tuple[str, str, str]:
