@@ -79,3 +79,25 @@ def test_a_batch_received_again_is_dropped_before_it_waits() -> None:
         assert view.index.held(0) == 1 and view.events[0] == 1
 
     asyncio.run(main())
+
+
+def test_a_prompt_is_matched_against_the_batches_received_before_it() -> None:
+    from stages.paths import BUNDLED_MODELS_DIR
+    from stages.routing.kv.block_hashes import BlockHasher
+    from stages.serve.proxy.config import KVConfig
+    from stages.serve.proxy.view.kv_routing import KVRouting
+
+    async def main() -> None:
+        kv = KVRouting(KVConfig(str(BUNDLED_MODELS_DIR / "tiny"), (None, None), (None,)))
+        body = {"prompt": "The committee reviewed the annual report on water quality. " * 60}
+        ids = kv.tokenizer.completion(body)
+        assert ids is not None
+        hashes = BlockHasher().hashes(ids, 32)
+        event = {**stored(hashes, block_size=32), "token_ids": ids[:len(hashes) * 32]}
+        # Worker 1's blocks came (block size, the first block's text): not applied yet.
+        kv.prefill.receive(1, 0, batch(event))
+        prompt = kv.prompt(body, chat=False)
+        assert prompt is not None and prompt.hashes == hashes  # matched whole: its head is held
+        assert kv.prefill.cached_tokens(prompt.reusable).tolist() == [0, len(hashes) * 32]
+
+    asyncio.run(main())

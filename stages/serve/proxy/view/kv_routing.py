@@ -108,6 +108,10 @@ class KVRouting:
         left unknown (``hashes`` empty). Single-turn traffic of new prompts then costs about
         an eighth of a 2,000-token prompt's encoding. ``all_ids``: encode it all anyway (the
         signature at arrival predicts from every id)."""
+        # What the workers' streams brought first: the block size, the first blocks' texts and
+        # the blocks held, as matching reads them below.
+        self.prefill.flush()
+        self.decode.flush()
         block_size = self.prefill.block_size or self.decode.block_size
         if block_size is None:
             return None
