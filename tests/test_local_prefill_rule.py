@@ -139,3 +139,11 @@ def test_the_study_compares_the_rule_with_always_remote_seed_by_seed(arrays, cap
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("rule 'holder' (running <= 1, lacking < 4096)")
     assert len(table) == 5 and table[1].startswith("after-prefill shared <= 1: ")
+
+
+def test_the_study_gives_each_mean_its_95_percent_interval_over_seeds() -> None:
+    from stages.bench.sim.decode_choice_study import _ci95
+
+    # Five seeds 0.96-1.00: mean 0.98, sd 0.0158, t(0.975, 4) = 2.776 -> 0.0196.
+    assert _ci95(np.array([0.96, 0.97, 0.98, 0.99, 1.00])) == " ± 0.02"
+    assert _ci95(np.array([0.97])) == ""  # one seed has no interval

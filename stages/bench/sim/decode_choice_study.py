@@ -132,6 +132,17 @@ def print_holder_table(rows: Sequence[dict[str, float]], holder: HolderSweep) ->
                 + (" -- met" if met else " -- not met"))
 
 
+def _ci95(values: np.ndarray) -> str:
+    """`` ± h``: the half-width of the seeds' mean's 95% interval (Student's t; seeds are
+    independent runs), so a ratio's distance from 1 reads against its seed noise."""
+    if values.size < 2:
+        return ""
+    from scipy.stats import t
+
+    half = t.ppf(0.975, values.size - 1) * values.std(ddof=1) / np.sqrt(values.size)
+    return f" ± {half:.2g}"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -171,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
     for key in rows[0]:
         values = np.array([r[key] for r in rows])
-        print(f"{key}: mean {values.mean():.4g} (min {values.min():.4g}, max {values.max():.4g})")
+        print(f"{key}: mean {values.mean():.4g}{_ci95(values)} (min {values.min():.4g},"
+              f" max {values.max():.4g})")
     if holder.shared:
         print_holder_table(rows, holder)
 
