@@ -257,6 +257,7 @@ async def _follow(context: zmq.Context, worker: int, source: KVEventSource,
                 view.malformed(worker, f"{len(frames)} frames")
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
+            # The expert counts' view (block_experts) applies each batch as it comes.
             deferred = isinstance(view, KVView)
             last = view.latest_seq(worker) if deferred else view.last_seq[worker]
             if last is not None and seq > last + 1:
