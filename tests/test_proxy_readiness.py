@@ -19,7 +19,7 @@ from stages.capture.batch_publisher import BatchPublisher
 from stages.paths import BUNDLED_MODELS_DIR
 from stages.serve.proxy import create_app
 from stages.serve.proxy.config import KVConfig
-from stages.serve.proxy.ops.readiness import Readiness, Verdict
+from stages.serve.proxy.front.readiness import Readiness, Verdict
 from stages.serve.proxy.recording.recorder import RecordConfig
 from stages.serve.proxy.state import ProxyState, build_state
 from stages.signature.dataset import SignatureDataset
@@ -172,7 +172,7 @@ def test_a_worker_that_never_publishes_stops_blocking_after_the_bound_and_is_nam
     behaviors[1].publisher = BatchPublisher(endpoints[0], heartbeat_s=0.2)
     bound_s = 1.5
     created = time.monotonic()
-    with caplog.at_level(logging.WARNING, "stages.serve.proxy.ops.readiness"), \
+    with caplog.at_level(logging.WARNING, "stages.serve.proxy.front.readiness"), \
             _proxy(servers, endpoints, batch_stale_after_s=bound_s) as proxy, \
             httpx.Client(base_url=proxy.url, timeout=10) as client:
         health = _until_ok(client, timeout_s=30)

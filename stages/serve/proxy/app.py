@@ -32,9 +32,9 @@ from stages.serve.proxy.config import ProxyConfig
 from stages.serve.proxy.front import admin, endpoints
 from stages.serve.proxy.front.auth import auth_middleware
 from stages.serve.proxy.front.completions import chat_completions, completions
+from stages.serve.proxy.front.readiness import Readiness, announce_ready
 from stages.serve.proxy.front.responses import SERVER_SEND, InternalErrorMiddleware, http_error
 from stages.serve.proxy.ops.health import health_loop
-from stages.serve.proxy.ops.readiness import Readiness, announce_ready
 from stages.serve.proxy.ops.rejoin import RestartCounts, no_restarts
 from stages.serve.proxy.router.artifact_source import ArtifactLoader, load_from_store
 from stages.serve.proxy.router.online_refit import FitFn, balanced_fit

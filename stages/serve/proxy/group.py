@@ -82,7 +82,7 @@ def serve_group(
 ) -> None:
     """Serve ``processes`` proxies on ``host``:``port`` until interrupted (blocking);
     ``on_ready`` is called once, from a thread, when every process answers ``/health`` 200
-    (``ops.readiness``: each heard its workers' streams)."""
+    (``front.readiness``: each heard its workers' streams)."""
     if processes < 1:
         raise EldrError(f"--proxy-workers must be >= 1, got {processes}")
     if not hasattr(socket, "SO_REUSEPORT") and processes > 1:
@@ -130,15 +130,11 @@ def _announce_ready(urls: list[str], on_ready: Callable[[], None], ended: thread
                     poll_s: float = 0.2) -> None:
     """Call ``on_ready`` once every proxy at ``urls`` answers ``/health`` 200, unless the
     group ends first."""
-    import httpx
+    from stages.procs.health import healthy
 
     waiting = list(urls)
-    with httpx.Client(timeout=2.0) as client:
-        while waiting and not ended.wait(poll_s):
-            try:
-                waiting = [u for u in waiting if client.get(f"{u}/health").status_code != 200]
-            except httpx.HTTPError:
-                continue  # a process still starting: asked again at the next poll
+    while waiting and not ended.wait(poll_s):
+        waiting = [u for u in waiting if not healthy(u, timeout_s=2.0)]
     if not waiting and not ended.is_set():
         on_ready()
 

@@ -9,8 +9,8 @@ from starlette.responses import Response
 from stages.serve.proxy.client.upstream import UPSTREAM_ERRORS, fetch
 from stages.serve.proxy.errors import json_error
 from stages.serve.proxy.front.peers import metrics_headers, metrics_of_all
+from stages.serve.proxy.front.readiness import Readiness
 from stages.serve.proxy.front.responses import json_response
-from stages.serve.proxy.ops.readiness import Readiness
 from stages.serve.proxy.state import ProxyState
 
 
@@ -39,7 +39,7 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """200 "ok" once a prefill and a decode worker are in rotation and every stream the proxy
-    follows for them was heard (ops.readiness): before, "warming" (503), since a request
+    follows for them was heard (front.readiness): before, "warming" (503), since a request
     recorded then could lose its row. ``unheard_streams`` names those not heard yet, or, once
     ready, never heard within their bound."""
     state: ProxyState = request.app.state.proxy
