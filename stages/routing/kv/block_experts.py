@@ -82,8 +82,9 @@ class BlockExperts:
 
 class ExpertEventsView:
     """Feeds one :class:`BlockExperts` from the expert events of ``num_workers`` workers; the
-    follower of ``stages.serve.proxy.view.kv_events`` drives it as it drives a KV view (``apply``,
-    ``gap``, ``malformed``, ``last_seq``), with the same replay of missed batches."""
+    follower of ``stages.serve.proxy.view.kv_events`` drives it as it drives a KV view
+    (``receive``, ``latest_seq``, ``flush``, ``apply``, ``gap``, ``malformed``), with the same
+    replay of missed batches."""
 
     def __init__(self, num_workers: int, index: BlockExperts) -> None:
         self.index = index
@@ -112,6 +113,17 @@ class ExpertEventsView:
             return
         self.last_seq[worker] = seq
         self.batches[worker] += 1
+
+    def receive(self, worker: int, seq: int, payload: bytes) -> None:
+        """A batch from the stream, applied as it comes: the KV view defers its batches off
+        the requests' path, but these are few (a block's counts once, when first stored)."""
+        self.apply(worker, seq, payload)
+
+    def latest_seq(self, worker: int) -> int | None:
+        return self.last_seq[worker]
+
+    def flush(self) -> None:
+        """Nothing is held back (``receive``)."""
 
     def gap(self, worker: int, repaired: bool) -> None:
         # Nothing to clear: counts of a hash stay true. Missed blocks are only unknown.

@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from stages.routing.kv.block_experts import ExpertEventsView
 from stages.routing.kv.block_index import BlockIndex
 from stages.routing.kv.endpoints import replay_endpoint
 from stages.routing.kv.event_messages import (
@@ -224,8 +225,9 @@ class KVView:
         ]
 
 
-async def follow_kv_events(sources: Sequence[KVEventSource | None], view: KVView) -> None:
-    """Follow every worker's KV events into ``view`` until cancelled."""
+async def follow_kv_events(sources: Sequence[KVEventSource | None],
+                           view: KVView | ExpertEventsView) -> None:
+    """Follow every worker's KV events (or expert events) into ``view`` until cancelled."""
     context = zmq.Context.instance()
     tasks = [asyncio.create_task(_follow(context, w, s, view), name=f"eldr-kv-{w}")
              for w, s in enumerate(sources) if s is not None]
@@ -241,7 +243,7 @@ REPLAY_TIMEOUT_S = 2.0
 
 
 async def _follow(context: zmq.Context, worker: int, source: KVEventSource,
-                  view: KVView) -> None:
+                  view: KVView | ExpertEventsView) -> None:
     sub = zmq.Socket(context, zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -257,24 +259,18 @@ async def _follow(context: zmq.Context, worker: int, source: KVEventSource,
                 view.malformed(worker, f"{len(frames)} frames")
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
-            # The expert counts' view (block_experts) applies each batch as it comes.
-            deferred = isinstance(view, KVView)
-            last = view.latest_seq(worker) if deferred else view.last_seq[worker]
+            last = view.latest_seq(worker)
             if last is not None and seq > last + 1:
-                if deferred:
-                    view.flush()  # what came before the hole, then the replay's batches
+                view.flush()  # what came before the hole, then the replay's batches
                 repaired = await _replay(context, worker, source, view, last + 1)
                 view.gap(worker, repaired)
-            if deferred:
-                view.receive(worker, seq, frames[2])
-            else:
-                view.apply(worker, seq, frames[2])
+            view.receive(worker, seq, frames[2])
     finally:
         inbox.close()
 
 
 async def _replay(context: zmq.Context, worker: int, source: KVEventSource,
-                  view: KVView, start: int) -> bool:
+                  view: KVView | ExpertEventsView, start: int) -> bool:
     """Ask ``source`` for every batch from ``start``; whether the replay began there."""
     if source.replay is None:
         return False
