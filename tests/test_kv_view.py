@@ -383,3 +383,34 @@ def test_a_replay_that_skips_batches_starts_the_workers_index_over(tmp_path) -> 
     assert view.last_seq[0] == 3
     assert view.lost[0] == 1
     assert view.index.held(0) == 1  # block 4 only: 1-3 were known before the hole
+
+
+def test_a_replay_that_answers_with_nothing_marks_the_stream_heard(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A worker that stored no block yet replays nothing: its answer still tells the follower
+    the stream is known (readiness stops waiting for it), and no batch is counted."""
+    import zmq
+    import zmq.asyncio
+
+    endpoint = f"ipc://{tmp_path}/ev"
+
+    async def follow() -> KVView:
+        context = zmq.asyncio.Context.instance()
+        router = context.socket(zmq.ROUTER)
+        router.bind(replay_endpoint(endpoint))
+        view = KVView(1)
+        task = asyncio.create_task(follow_kv_events([KVEventSource.parse(endpoint)], view))
+        assert not view.replied[0]
+        identity, _, _ = await router.recv_multipart()
+        await router.send_multipart((identity, b"", b"", (-1).to_bytes(8, "big", signed=True),
+                                     b""))
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if view.replied[0]:
+                break
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        router.close(linger=0)
+        return view
+
+    view = asyncio.run(follow())
+    assert view.replied[0] and view.last_seq[0] is None and view.events[0] == 0

@@ -105,6 +105,17 @@ def test_kv_event_streams_are_waited_for_heard_or_untrusted() -> None:
     assert readiness.check(state) == Verdict(True, [], [])
 
 
+def test_a_kv_stream_whose_replay_answered_is_heard_though_its_worker_stored_nothing() -> None:
+    state, clock = _kv_state("kv"), Clock()
+    readiness = Readiness(state.config, clock)
+    assert state.kv is not None
+    state.kv.prefill.replied[0] = True  # the follower's first replay came back empty
+    assert readiness.check(state) == Verdict(False, [], ["KV events of decode worker"
+                                                         " http://d0:1"])
+    state.kv.decode.replied[0] = True
+    assert readiness.check(state) == Verdict(True, [], [])
+
+
 def test_kv_event_streams_are_not_waited_for_under_a_policy_that_ignores_them() -> None:
     state = _kv_state("jsq")
     assert Readiness(state.config, Clock()).check(state) == Verdict(True, [], [])

@@ -89,6 +89,7 @@ class ExpertEventsView:
     def __init__(self, num_workers: int, index: BlockExperts) -> None:
         self.index = index
         self.last_seq: list[int | None] = [None] * num_workers
+        self.replied = [False] * num_workers  # as ``KVView.replied``
         self.batches = np.zeros(num_workers, dtype=np.int64)
         self.gaps = np.zeros(num_workers, dtype=np.int64)
         self.lost = np.zeros(num_workers, dtype=np.int64)  # gaps no replay repaired

@@ -10,14 +10,16 @@ So the proxy is ready once, for every worker in rotation, it heard:
 
 - the worker's published batches (a heartbeat every 0.5 s), when it follows them;
 - when the active policy reads KV, the worker's KV events (live, or replayed from what the
-  worker buffered before this proxy listened), unless that view already marked it untrusted
-  (routed on load alone, so nothing waits on it).
+  worker buffered before this proxy listened: a replay that answered, even with nothing, is
+  heard, since a batch missed after it shows as a gap a replay repairs), unless that view
+  already marked it untrusted (routed on load alone, so nothing waits on it).
 
 A stream is waited for at most its silence bound (``batch_stale_after_s``, the KV view's
 ``silent_after_s``), counted from the app's creation: one attached without eldr's plugin never
-publishes batches, and one that filled no KV block since it started has no KV event to send or
-replay. Past it the proxy is ready; ``/health`` names the streams never heard, and a warning
-the batch streams among them (rows will be lost; a silent KV stream is no fault).
+publishes batches, and one without a replay socket that filled no KV block since it started
+has no KV event to send. Past it the proxy is ready; ``/health`` names the streams never
+heard, and a warning the batch streams among them (rows will be lost; a silent KV stream is no
+fault).
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ class Readiness:
             trusted = view.trusted()
             unheard += [f"KV events of {pool.role} worker {pool.urls[w]}"
                         for w in np.flatnonzero(pool.eligible())
-                        if endpoints[w] is not None and view.last_seq[w] is None and trusted[w]]
+                        if endpoints[w] is not None and view.last_seq[w] is None
+                        and not view.replied[w] and trusted[w]]
         return unheard
 
 

@@ -95,6 +95,9 @@ class KVView:
         # each worker's last one.
         self._pending: list[tuple[int, int, bytes]] = []
         self._pending_seq: list[int | None] = [None] * num_workers
+        # Whose replay socket answered (its buffer, perhaps empty): what the worker stored up
+        # to then is known, and anything missed after shows as a gap a replay repairs.
+        self.replied = [False] * num_workers
         self._flush_at: asyncio.TimerHandle | None = None
         self.events = np.zeros(num_workers, dtype=np.int64)
         self.gaps = np.zeros(num_workers, dtype=np.int64)  # sequence jumps seen
@@ -296,6 +299,7 @@ async def _replay(context: zmq.Context, worker: int, source: KVEventSource,
                 return False
             seq = int.from_bytes(frames[2], "big", signed=True)
             if seq == END_SEQ:
+                view.replied[worker] = True
                 break
             first = seq if first is None else first
             if previous is not None and seq != previous + 1:
