@@ -33,3 +33,13 @@ def test_the_measured_cost_prices_every_policy_that_takes_one_and_overrides_no_u
     # The user's own cost stays; eldr (the paper's rule) and jsq take none.
     assert config == {"eldr-kv": {"load_slack": 0.5, "cost": str(cost)},
                       "eldr-union": {"cost": "cpu"}, "kv": {"cost": str(cost)}}
+
+
+def test_engine_cost_without_an_artifact_says_how_to_get_one(tmp_path: Path) -> None:
+    from examples.bench_kv_routers import _engine_cost
+
+    with pytest.raises(SystemExit, match="--capture N, or --home"):
+        _engine_cost(["eldr"], {}, tmp_path, "http://127.0.0.1:1")
+    (tmp_path / "cost-model.json").write_text("{}")  # measured before: reused, nothing run
+    assert _engine_cost(["eldr"], {}, tmp_path, "http://127.0.0.1:1") == (
+        tmp_path / "cost-model.json")
