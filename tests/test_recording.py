@@ -233,6 +233,28 @@ def test_a_writer_process_that_dies_is_replaced_and_its_loss_counted(tmp_path: P
     assert len(SignatureDataset.open(tmp_path / "t.zarr")) == counts.appended
 
 
+def test_rows_a_stuck_writer_never_wrote_by_close_are_counted_not_only_logged(
+        tmp_path: Path) -> None:
+    identity = ModelIdentity("m", 2, 4, 2)
+    appender = _appender(tmp_path / "t.zarr", identity)
+    assert appender.put([_row("r0")])
+    deadline = time.monotonic() + 120
+    while appender.counts.appended < 1:
+        assert time.monotonic() < deadline, "the first row was never written"
+        time.sleep(0.02)
+    [writer] = multiprocessing.active_children()
+    os.kill(writer.pid, signal.SIGSTOP)  # alive, answering nothing
+    try:
+        assert appender.put([_row("s1"), _row("s2")])
+        appender.close(timeout_s=1.0)
+        counts = appender.counts
+        assert (counts.appended, counts.failed) == (1, 2)
+        assert counts.errors == ["the writer did not finish within 1 s"]
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+
+
 def sparse_signature(body: dict) -> np.ndarray:
     """The fakes' domain signature without its floor of ones, plus an expert of the prompt's
     own: counts a fit can weigh (an expert every request picks carries no information)."""

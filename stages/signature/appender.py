@@ -177,6 +177,7 @@ class DatasetAppender:
         self._identity = identity
         self._max_rows = max_rows
         self._waiting = 0  # rows handed over, not yet appended
+        self._given_up = False  # ``close`` timed out and counted the waiting rows as failed
         self._lock = threading.Lock()  # the counts change in the executor's thread
         self._store_identity: ModelIdentity | None = None
         exists = store_exists(self.path)
@@ -219,14 +220,23 @@ class DatasetAppender:
         done.start()
         done.join(timeout_s)
         if done.is_alive():
-            log.error("recording: the writer did not finish within %g s; rows may be lost",
-                      timeout_s)
+            # Counted, not only logged: the rows still waiting are reported as failed (a
+            # writer that finishes later may yet write some; what it reports then is ignored).
+            with self._lock:
+                lost, self._waiting, self._given_up = self._waiting, 0, True
+                self.counts.failed += lost
+                if len(self.counts.errors) < 5:
+                    self.counts.errors.append(f"the writer did not finish within {timeout_s:g} s")
+            log.error("recording: the writer did not finish within %g s; %d rows counted as"
+                      " not written", timeout_s, lost)
         self._writer_lock.release()
 
     def _appended(self, done: Future[_Appended], rows: int) -> None:
         exc = done.exception()
         outcome = _Appended(0, 0, error=repr(exc)) if exc is not None else done.result()
         with self._lock:
+            if self._given_up:
+                return  # ``close`` already counted these rows as not written
             self._waiting -= rows
             self.counts.appended += outcome.appended
             self.counts.dropped_shape += outcome.dropped_shape
