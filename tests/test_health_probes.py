@@ -121,3 +121,28 @@ def test_probes_run_concurrently(fake: tuple[FakeBehavior, str]) -> None:
             server.close()
 
     _run(check)
+
+
+def test_a_probe_answered_before_a_request_failed_does_not_bring_the_worker_back(
+    fake: tuple[FakeBehavior, str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from stages.serve.proxy.ops import health
+
+    _, url = fake
+    pool = WorkerPool([url], "decode")
+    real_fetch = health.fetch
+
+    async def answered_then_a_request_fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        reply = await real_fetch(*args, **kwargs)  # 200, from before the failure below
+        pool.record_failure(0, "answered 503")  # a request's failure, while the probe was out
+        return reply
+
+    async def check(prober: Prober) -> None:
+        monkeypatch.setattr(health, "fetch", answered_then_a_request_fails)
+        await prober.probe_all([pool])
+        assert not pool.healthy(0)  # the failure stands
+        monkeypatch.setattr(health, "fetch", real_fetch)
+        await prober.probe_all([pool])  # a probe sent after it: back in rotation
+        assert pool.healthy(0)
+
+    _run(check)

@@ -45,6 +45,7 @@ class Prober:
     async def probe(self, pool: WorkerPool, index: int) -> None:
         url = pool.urls[index]
         key = (pool.role, index)
+        downs = pool.downs(index)
         try:
             status = (await fetch(self.client, "GET", url, "/health", self.timeout)).status
         except NOT_DELIVERED as exc:
@@ -63,6 +64,8 @@ class Prober:
             self._down(pool, index, f"health probe: /health answered {status}")
         elif pool.ejected(index):
             pass  # it waits out its ejection, however well it answers
+        elif pool.downs(index) != downs:
+            pass  # a request failed on it while this probe was out: the 200 is older news
         elif self.checks is None:
             pool.mark_healthy(index)
         elif not self.checks.trusted(pool, index):

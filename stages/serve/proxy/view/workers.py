@@ -57,6 +57,7 @@ class WorkerPool:
         n = len(self.urls)
         self._inflight = np.zeros(n, dtype=np.int64)
         self._healthy = np.ones(n, dtype=bool)
+        self._downs = np.zeros(n, dtype=np.int64)  # times taken out of rotation (``downs``)
         self._last_error: list[str | None] = [None] * n
         self._failures = [0] * n  # request failures in a row
         self._ejections = [0] * n  # ever (the metric)
@@ -115,6 +116,12 @@ class WorkerPool:
             log.warning("%s worker %s marked unhealthy: %s", self.role, self.urls[index], reason)
         self._healthy[index] = False
         self._last_error[index] = reason
+        self._downs[index] += 1
+
+    def downs(self, index: int) -> int:
+        """How many times it was taken out of rotation: a health probe whose 200 was sent
+        before the latest of them is older news than the failure (``ops.health``)."""
+        return int(self._downs[index])
 
     def mark_healthy(self, index: int) -> None:
         """Back in rotation, unless it is ejected: then it waits out its time."""
