@@ -53,10 +53,7 @@ except ModuleNotFoundError as exc:
         f"{exc}: run from the repo root as `python -m examples.bench_kv_chat_overhead`"
     ) from exc
 
-# "eldr-kv-eager": eldr-kv as it was before its view deferred the streams' batches to its next
-# read and its piece cache encoded through the Rust tokenizer (both switched back in its
-# process): the before side of an A/B in one run.
-ROUTERS = ("eldr-union", "eldr-kv", "eldr-kv-eager")
+ROUTERS = ("eldr-union", "eldr-kv")
 TINY = str(BUNDLED_MODELS_DIR / "tiny")
 WORDS = ("the router reads each worker's cache of blocks and sends the request where its prompt"
          " is already held or where the queue is short experts decide the decode worker while"
@@ -205,23 +202,10 @@ def install_timers(timeline: Timeline, prefill_urls: tuple[str, ...]) -> None:
     KVView.apply = kv_apply  # type: ignore[method-assign]
 
 
-def switch_back() -> None:
-    """eldr-kv-eager: each batch applied as it arrives, new pieces encoded by the wrapper."""
-    from stages.routing.kv.segment_cache import SegmentCache
-    from stages.serve.proxy.view.kv_events import KVView
-
-    KVView.receive = KVView.apply  # type: ignore[method-assign]
-    KVView.latest_seq = lambda self, worker: self.last_seq[worker]  # type: ignore[method-assign]
-    SegmentCache._encode_piece = (  # type: ignore[method-assign]
-        lambda self, piece: self._tok.encode(piece, add_special_tokens=False))
-
-
-def serve_timed(config: Any, port: int, out: Path, eager: bool = False) -> None:
+def serve_timed(config: Any, port: int, out: Path) -> None:
     """The proxy, its stages timed; the timeline written to ``out`` when it stops."""
     timeline = Timeline()
     install_timers(timeline, config.prefill_urls)
-    if eager:
-        switch_back()  # after the timers: its batches are applied through the timed apply
     from stages.serve.proxy.app import run_proxy
 
     # Written when it is told to stop (the clients are done by then): it then drains and
@@ -236,7 +220,7 @@ def proxy_config(policy: str, prefill: list[str], decode: list[str], kv_events: 
 
     options = ServeOptions(
         policy=policy, port=port, attach_prefill=tuple(prefill), attach_decode=tuple(decode),
-        attach_kv_events=tuple(kv_events) if policy.startswith("eldr-kv") else (),
+        attach_kv_events=tuple(kv_events) if policy == "eldr-kv" else (),
         max_queued=None, served_model_name="fake-model")
     return replace(plan(options).proxy, model="fake-model")
 
@@ -393,8 +377,8 @@ def run_one(router: str, round_: int, args: argparse.Namespace, prefill: list[st
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     out = home / f"{router}-{round_}.json"
-    config = proxy_config(router.removesuffix("-eager"), prefill, decode, kv_events, port)
-    proc = ctx.Process(target=serve_timed, args=(config, port, out, router.endswith("-eager")),
+    config = proxy_config(router, prefill, decode, kv_events, port)
+    proc = ctx.Process(target=serve_timed, args=(config, port, out),
                        daemon=True)
     proc.start()
     try:
