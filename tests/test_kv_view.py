@@ -347,39 +347,47 @@ def test_a_local_prefill_that_fails_takes_the_pd_path(kv_proxy) -> None:
     assert len(behaviors[3].received) == 1  # and decoded on the other worker
 
 
-def test_a_replay_that_skips_batches_starts_the_workers_index_over(tmp_path) -> None:
-    """A ROUTER drops what a full pipe cannot take: batches missing inside a replay may have
-    removed blocks, so the index keeps only what follows the hole."""
+def replay_to_follower(tmp_path, batches, done) -> tuple[KVView, int]:  # type: ignore[no-untyped-def]
+    """A follower of one worker whose replay socket answers with ``batches`` ((seq, payload)
+    pairs) then the end marker; the view once ``done(view)`` holds (up to 20 s on a loaded
+    machine) and the start number the follower asked the replay from."""
     import zmq
     import zmq.asyncio
 
     endpoint = f"ipc://{tmp_path}/ev"
 
-    async def follow() -> KVView:
+    async def follow() -> tuple[KVView, int]:
         context = zmq.asyncio.Context.instance()
         router = context.socket(zmq.ROUTER)
         router.bind(replay_endpoint(endpoint))
         view = KVView(1)
         task = asyncio.create_task(follow_kv_events([KVEventSource.parse(endpoint)], view))
+        assert not view.replied[0]
         identity, _, start = await router.recv_multipart()
-        assert int.from_bytes(start, "big") == 0
-        # Batch 2 (which removed block 1) never arrives.
-        for seq, payload in ((0, batch(stored([1, 2], block_size=16))),
-                             (1, batch(stored([3], block_size=16))),
-                             (3, batch(stored([4], block_size=16)))):
+        for seq, payload in batches:
             await router.send_multipart((identity, b"", b"kv", seq.to_bytes(8, "big"), payload))
         await router.send_multipart((identity, b"", b"", (-1).to_bytes(8, "big", signed=True),
                                      b""))
-        for _ in range(100):
+        for _ in range(1000):
             await asyncio.sleep(0.02)
-            if view.last_seq[0] == 3:
+            if done(view):
                 break
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         router.close(linger=0)
-        return view
+        return view, int.from_bytes(start, "big")
 
-    view = asyncio.run(follow())
+    return asyncio.run(follow())
+
+
+def test_a_replay_that_skips_batches_starts_the_workers_index_over(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A ROUTER drops what a full pipe cannot take: batches missing inside a replay may have
+    removed blocks, so the index keeps only what follows the hole."""
+    # Batch 2 (which removed block 1) never arrives.
+    batches = ((0, batch(stored([1, 2], block_size=16))), (1, batch(stored([3], block_size=16))),
+               (3, batch(stored([4], block_size=16))))
+    view, start = replay_to_follower(tmp_path, batches, lambda view: view.last_seq[0] == 3)
+    assert start == 0
     assert view.last_seq[0] == 3
     assert view.lost[0] == 1
     assert view.index.held(0) == 1  # block 4 only: 1-3 were known before the hole
@@ -388,29 +396,5 @@ def test_a_replay_that_skips_batches_starts_the_workers_index_over(tmp_path) -> 
 def test_a_replay_that_answers_with_nothing_marks_the_stream_heard(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A worker that stored no block yet replays nothing: its answer still tells the follower
     the stream is known (readiness stops waiting for it), and no batch is counted."""
-    import zmq
-    import zmq.asyncio
-
-    endpoint = f"ipc://{tmp_path}/ev"
-
-    async def follow() -> KVView:
-        context = zmq.asyncio.Context.instance()
-        router = context.socket(zmq.ROUTER)
-        router.bind(replay_endpoint(endpoint))
-        view = KVView(1)
-        task = asyncio.create_task(follow_kv_events([KVEventSource.parse(endpoint)], view))
-        assert not view.replied[0]
-        identity, _, _ = await router.recv_multipart()
-        await router.send_multipart((identity, b"", b"", (-1).to_bytes(8, "big", signed=True),
-                                     b""))
-        for _ in range(1000):  # up to 20 s on a loaded machine
-            await asyncio.sleep(0.02)
-            if view.replied[0]:
-                break
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        router.close(linger=0)
-        return view
-
-    view = asyncio.run(follow())
+    view, _ = replay_to_follower(tmp_path, (), lambda view: view.replied[0])
     assert view.replied[0] and view.last_seq[0] is None and view.events[0] == 0
