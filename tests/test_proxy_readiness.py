@@ -24,7 +24,8 @@ from stages.serve.proxy.recording.recorder import RecordConfig
 from stages.serve.proxy.state import ProxyState, build_state
 from stages.signature.dataset import SignatureDataset
 from tests.conftest import free_port
-from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+from tests.fakes.publishing_workers import Workers, publisher, publishing_workers
+from tests.fakes.worker import BackgroundServer, FakeBehavior
 from tests.test_proxy import dead_url, fast_config
 from tests.test_recording import sparse_decode, sparse_signature
 
@@ -123,27 +124,19 @@ def test_kv_event_streams_are_not_waited_for_under_a_policy_that_ignores_them() 
 
 # --- through HTTP, with fake workers whose publishers bind late or never ---
 
-Workers = tuple[list[FakeBehavior], list[BackgroundServer], list[str]]
 
 
 @pytest.fixture
 def unpublished_workers() -> Iterator[Workers]:
     """A prefill and two decode workers whose batch publishers are not up yet (a worker whose
     plugin is still starting, or attached without it)."""
-    endpoints = [BATCHES.format(free_port()) for _ in range(2)]
-    behaviors = [FakeBehavior("p0", signature=sparse_signature)] + [
-        FakeBehavior(f"d{i}", decode_counts=sparse_decode) for i in range(2)]
-    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
-    yield behaviors, servers, endpoints
-    for server, behavior in zip(servers, behaviors, strict=True):
-        server.stop()
-        if behavior.publisher is not None:
-            behavior.publisher.close()
+    with publishing_workers(sparse_signature, sparse_decode, publish=False) as workers:
+        yield workers
 
 
 def _publish(behaviors: list[FakeBehavior], endpoints: list[str]) -> None:
     for behavior, endpoint in zip(behaviors[1:], endpoints, strict=True):
-        behavior.publisher = BatchPublisher(endpoint, min_interval_s=0.002, heartbeat_s=0.2)
+        behavior.publisher = publisher(endpoint)
 
 
 def _proxy(servers: list[BackgroundServer], endpoints: list[str],

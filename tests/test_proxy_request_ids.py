@@ -17,32 +17,20 @@ import pytest
 from stages.serve.proxy import create_app
 from stages.serve.proxy.recording.recorder import RecordConfig
 from stages.signature.dataset import SignatureDataset
-from tests.conftest import free_port
-from tests.fakes.worker import BackgroundServer, FakeBehavior, create_fake_worker
+from tests.fakes.publishing_workers import Workers, publishing_workers
+from tests.fakes.worker import BackgroundServer
 from tests.test_proxy import fast_config
 from tests.test_recording import sparse_decode, sparse_signature
 
 SHARED_ID = "the-same-id"
-Workers = tuple[list[FakeBehavior], list[BackgroundServer], list[str]]
 REQUESTS = 8
 
 
 @pytest.fixture
 def slow_recorded_workers() -> Iterator[Workers]:
-    from stages.capture.batch_publisher import BatchPublisher
-
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     # Slow enough that the burst's requests are all in flight together on the two workers.
-    behaviors = [FakeBehavior("p0", signature=sparse_signature)] + [
-        FakeBehavior(f"d{i}", token_delay_s=0.1, decode_counts=sparse_decode,
-                     publisher=BatchPublisher(e, min_interval_s=0.002, heartbeat_s=0.2))
-        for i, e in enumerate(endpoints)]
-    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
-    yield behaviors, servers, endpoints
-    for server, behavior in zip(servers, behaviors, strict=True):
-        server.stop()
-        if behavior.publisher is not None:
-            behavior.publisher.close()
+    with publishing_workers(sparse_signature, sparse_decode, token_delay_s=0.1) as workers:
+        yield workers
 
 
 def _prompt(i: int) -> str:

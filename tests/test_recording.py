@@ -36,6 +36,7 @@ from stages.signature import wire
 from stages.signature.appender import WRITER_NICE, DatasetAppender
 from stages.signature.dataset import ModelIdentity, SignatureDataset, store_exists
 from tests.conftest import free_port
+from tests.fakes.publishing_workers import publishing_workers
 from tests.fakes.worker import (
     BackgroundServer,
     FakeBehavior,
@@ -269,19 +270,8 @@ def sparse_decode(body: dict, tokens: int) -> np.ndarray:
 
 @pytest.fixture
 def recorded_workers() -> Iterator[tuple[list[BackgroundServer], list[str]]]:
-    from stages.capture.batch_publisher import BatchPublisher
-
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-    behaviors = [FakeBehavior("p0", signature=sparse_signature)] + [
-        FakeBehavior(f"d{i}", tokens=6, decode_counts=sparse_decode,
-                     publisher=BatchPublisher(e, min_interval_s=0.002, heartbeat_s=0.2))
-        for i, e in enumerate(endpoints)]
-    servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
-    yield servers, endpoints
-    for server, behavior in zip(servers, behaviors, strict=True):
-        server.stop()
-        if behavior.publisher is not None:
-            behavior.publisher.close()
+    with publishing_workers(sparse_signature, sparse_decode, tokens=6) as (_, servers, endpoints):
+        yield servers, endpoints
 
 
 @contextmanager
