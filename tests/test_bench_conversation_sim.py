@@ -144,3 +144,31 @@ def test_each_turn_records_how_busy_its_prompts_holder_was_at_its_arrival(arrays
     arrived = ((o.arrival[None, :] < at) & (at < o.done[None, :])).sum(axis=1)
     assert (o.holder_load >= decoding).all() and (o.holder_load <= arrived).all()
     assert o.holder_load[np.argmin(o.arrival)] == 0 and o.holder_load.max() >= 2
+
+
+def test_later_turns_ttft_splits_into_prefill_pull_and_first_step(arrays) -> None:  # type: ignore[no-untyped-def]
+    config = small_config(("jsq",))
+    turns, outcomes, _ = simulate_outcomes(config, arrays, TOP_K)
+    o = outcomes["jsq"]
+    # In order: arrival, prefill's end, KV on the decode worker, first token.
+    assert (o.prefill_done > o.arrival).all() and (o.kv_ready > o.prefill_done).all()
+    assert (o.first_token > o.kv_ready).all()
+    metrics = simulate_conversations(config, arrays, TOP_K)["jsq"]
+    parts = [metrics[k] for k in ("sim_ttft_prefill_ms", "sim_ttft_pull_ms",
+                                  "sim_ttft_first_step_ms")]
+    assert all(p > 0 for p in parts)
+    assert sum(parts) == pytest.approx(metrics["sim_ttft_later_pd_ms"])
+    later = turns.turn >= 2
+    assert metrics["sim_ttft_later_pd_ms"] == pytest.approx(
+        1e3 * float(np.mean((o.first_token - o.arrival)[later])))
+
+
+def test_the_conversation_table_prints_the_simulated_ttft_split() -> None:
+    from stages.bench.report import format_conversations
+
+    parts = {"sim_ttft_later_pd_ms": 70.0, "sim_ttft_prefill_ms": 55.0,
+             "sim_ttft_pull_ms": 5.0, "sim_ttft_first_step_ms": 10.0}
+    text = format_conversations({"eldr-kv": parts, "live": {}})
+    lines = text[text.index("where later turns' TTFT goes"):].splitlines()
+    assert lines[3].split() == ["eldr-kv", "70.00", "55.00", "5.00", "10.00"]
+    assert len(lines) == 4  # the router without the split has no row

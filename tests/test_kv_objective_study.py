@@ -26,7 +26,8 @@ def test_turn_one_and_later_turns_are_apart() -> None:
     arrival = np.zeros(4)
     first = np.array([0.01, 0.05, 0.01, 0.05])
     outcome = ConversationOutcome(arrival, first, first + 0.1, np.zeros(4), np.zeros(4),
-                                  np.zeros(4), np.zeros(0), np.zeros(4), np.zeros(4))
+                                  np.zeros(4), np.zeros(0), np.zeros(4), np.zeros(4),
+                                  first / 2, first / 2)
     cells = latency_cells(outcome, turns)
     assert cells["ttft_turn1_p50"] == 0.01 and cells["ttft_later_p99"] == 0.05
     np.testing.assert_allclose(cells["tpot_p50"], 0.01)

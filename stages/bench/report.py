@@ -88,7 +88,7 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
     """The conversation bench's table: TTFT of first and later turns, TPOT, prefix-hit shares
     against the workload's ideal, KV tokens the decode workers pulled; then each router's
     hit share per prefill worker."""
-    from stages.bench.metric_registry import CONVERSATION_METRICS, TTFT_PARTS
+    from stages.bench.metric_registry import CONVERSATION_METRICS, SIM_TTFT_PARTS, TTFT_PARTS
 
     header = ["router", *(m.label for m in CONVERSATION_METRICS)]
     rows = [header]
@@ -124,6 +124,11 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
     if parts:
         lines += ["", "where TTFT goes (means over all turns, ms; the workers' own histograms)"]
         lines += _table([["router", *(c.label for c in TTFT_PARTS)], *parts])
+    sim_parts = [[name, *(_fmt(_number(m.get(c.key))) for c in SIM_TTFT_PARTS)]
+                 for name, m in metrics.items() if _number(m.get("sim_ttft_later_pd_ms"))]
+    if sim_parts:
+        lines += ["", "where later turns' TTFT goes (simulated, PD path, means, ms)"]
+        lines += _table([["router", *(c.label for c in SIM_TTFT_PARTS)], *sim_parts])
     return "\n".join(lines)
 
 

@@ -123,6 +123,10 @@ class ConversationOutcome:
     # Per turn, at its arrival: the requests in flight on the decode worker holding the most
     # of its prompt (0: that worker is idle, so prefilling there stalls no one).
     holder_load: np.ndarray
+    # Per turn: when its prefill worker finished (NaN: prefilled on its decode worker) and
+    # when its decode worker had its KV (pulled, or prefilled there): TTFT's parts.
+    prefill_done: np.ndarray
+    kv_ready: np.ndarray
 
 
 class _Run:
@@ -157,6 +161,8 @@ class _Run:
         self.arrival = np.full(n, np.nan)
         self.first = np.full(n, np.nan)
         self.done = np.full(n, np.nan)
+        self.prefill_done = np.full(n, np.nan)
+        self.kv_ready = np.full(n, np.nan)
         self.cached = np.zeros(n, dtype=np.int64)
         self.pulled = np.zeros(n, dtype=np.int64)
         self.worker = np.full(n, -1, dtype=np.int64)
@@ -253,12 +259,14 @@ class _Run:
         cached = request.cached_tokens
         assert cached is not None
         dec.stall_s += self.cfg.cost.prefill_per_token_s * (prompt_tokens - int(cached[w]))
+        self.kv_ready[r] = t
         dec.queue.append(r)
         if not dec.busy:
             self.start_step(w, t)
         return True
 
     def prefill_end(self, r: int, t: float) -> None:
+        self.prefill_done[r] = t
         w = int(self.prefill_of[r])
         self.prefill_loads[w] -= 1
         self.prefill_queued[w] -= int(self.turns.prompts[r].size - self.cached[r])
@@ -304,6 +312,7 @@ class _Run:
         self._push(t + pull_s, _KV_DONE, r)
 
     def kv_done(self, r: int, t: float) -> None:
+        self.kv_ready[r] = t
         w = int(self.worker[r])
         dec = self.decoders[w]
         dec.queue.append(r)
@@ -369,7 +378,8 @@ class _Run:
             raise AssertionError("simulation ended with unfinished turns")
         return ConversationOutcome(self.arrival, self.first, self.done, self.cached,
                                    self.prefill_of, self.pulled, np.asarray(self.distinct),
-                                   self.turn_distinct, self.holder_load)
+                                   self.turn_distinct, self.holder_load, self.prefill_done,
+                                   self.kv_ready)
 
 
 class _ArrivalCounts:
@@ -429,10 +439,26 @@ def _metrics(outcome: ConversationOutcome, turns: SimTurns, ideal_share: float,
     metrics["ideal_prefill_hit_share"] = ideal_share
     metrics["prefill_hit_of_ideal"] = (float(metrics["prefill_hit_share"]) / ideal_share  # type: ignore[arg-type]
                                        if ideal_share > 0 else float("nan"))
+    metrics |= ttft_parts(outcome, turns)
     steps = outcome.step_distinct
     metrics["distinct_experts_per_layer"] = (float(steps.mean()) / num_layers if steps.size
                                              else float("nan"))
     return metrics
+
+
+def ttft_parts(outcome: ConversationOutcome, turns: SimTurns) -> dict[str, float]:
+    """Later turns' mean TTFT on the PD path, and its parts: arrival to the prefill's end
+    (queue and compute), the decode worker's KV pull, and from then to the first token (the
+    running step it waits out and its own first step). Means, so the parts add up."""
+    pd = (turns.turn >= 2) & (outcome.prefill_worker >= 0)
+    if not pd.any():
+        return {}
+    arrival, prefill, ready = outcome.arrival[pd], outcome.prefill_done[pd], outcome.kv_ready[pd]
+    first = outcome.first_token[pd]
+    return {"sim_ttft_later_pd_ms": 1e3 * float(np.mean(first - arrival)),
+            "sim_ttft_prefill_ms": 1e3 * float(np.mean(prefill - arrival)),
+            "sim_ttft_pull_ms": 1e3 * float(np.mean(ready - prefill)),
+            "sim_ttft_first_step_ms": 1e3 * float(np.mean(first - ready))}
 
 
 def simulate_outcomes(config: ConversationSimConfig, arrays: SignatureArrays, top_k: int,
