@@ -192,6 +192,19 @@ def test_a_gap_the_replay_cannot_fill_clears_the_workers_blocks() -> None:
     assert (view.gaps[0], view.lost[0]) == (2, 1)
 
 
+def test_an_index_past_its_bound_starts_over_and_is_counted() -> None:
+    """A publisher that never sends removals would grow the index with every prompt its worker
+    ever ran; past the bound the index starts over (a hit lost, not the proxy's memory)."""
+    view = KVView(2, max_blocks=4)
+    view.apply(0, 0, batch(stored([1, 2, 3])))
+    view.apply(1, 0, batch(stored([1, 2, 3, 4])))  # at the bound: kept
+    view.apply(0, 1, batch(stored([4, 5])))
+    assert view.cached_tokens([1]).tolist() == [0, 4]
+    assert view.overflows.tolist() == [1, 0] and view.state()[0]["overflows"] == 1
+    view.apply(0, 2, batch(stored([6])))  # rebuilt from what follows
+    assert view.index.held(0) == 1 and view.trusted().all()
+
+
 def test_endpoints_follow_eldrs_replay_convention() -> None:
     assert replay_endpoint("tcp://*:5700") == "tcp://*:5701"
     assert replay_endpoint("ipc:///run/kv0") == "ipc:///run/kv0.replay"
@@ -289,7 +302,9 @@ def test_the_proxy_sends_both_legs_to_the_workers_holding_the_prompt(kv_proxy) -
     assert cached == 3 * ((len(ids) - 1) // 32) * 32
     snapshot = client.get("/admin/state").json()["kv"]
     assert snapshot["prefill"][1]["blocks"] == len(hashes) and snapshot["prefill"][1]["trusted"]
-    assert "eldr_kv_index_trusted" in client.get("/metrics").text
+    page = client.get("/metrics").text
+    assert "eldr_kv_index_trusted" in page
+    assert 'eldr_kv_index_overflows_total{role="decode",worker="decode-0"} 0.0' in page
     wait_until(lambda: int(np.sum(state.kv.prefill_queued)) == 0)
 
 

@@ -114,6 +114,10 @@ class _KVViews(Collector):
             "undecodable": CounterMetricFamily("eldr_kv_event_undecodable", "KV event messages"
                                                " that could not be decoded.",
                                                labels=["role", "worker"]),
+            "overflows": CounterMetricFamily("eldr_kv_index_overflows", "Times the worker's"
+                                             " index passed its bound of blocks and started"
+                                             " over (its events miss removals).",
+                                             labels=["role", "worker"]),
         }
         for role, view in (("prefill", self._kv.prefill), ("decode", self._kv.decode)):
             for w, row in enumerate(view.state()):

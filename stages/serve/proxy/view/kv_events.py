@@ -54,6 +54,12 @@ END_SEQ = -1  # the replay socket's end-of-replay marker
 # vLLM's replay buffer holds 10,000 batches and a subscription queues 1,000: a batch numbered
 # further back than that is a restarted publisher's, not a late duplicate.
 RESTART_DISTANCE = 20_000
+# The most blocks a worker's index holds before it starts over. vLLM evicts as it stores, so a
+# worker's events never hold more than its cache (an H200 serving a small model: ~300,000
+# blocks of 16 tokens); an index past this bound has missed removals (a publisher that does
+# not send them) and would otherwise grow with every prompt the worker ever saw: ~70 MB a
+# million blocks, in every proxy process.
+MAX_BLOCKS_PER_WORKER = 1 << 21
 # How long a received batch may wait for a read of the view before it is applied anyway (when
 # the proxy is idle, or reads only the other pool's view).
 FLUSH_DELAY_S = 0.005
@@ -79,10 +85,13 @@ class KVView:
 
     def __init__(self, num_workers: int, silent_after_s: float = DEFAULT_SILENT_AFTER_S,
                  clock: Callable[[], float] = time.monotonic,
-                 first_blocks: Callable[[BlockStored], None] | None = None) -> None:
+                 first_blocks: Callable[[BlockStored], None] | None = None,
+                 max_blocks: int = MAX_BLOCKS_PER_WORKER) -> None:
         """``first_blocks``: told every ``BlockStored`` (it reads a sequence's first block's
-        token ids, the only ones the proxy reads)."""
+        token ids, the only ones the proxy reads); ``max_blocks``: a worker's index starts
+        over past this many (``MAX_BLOCKS_PER_WORKER``)."""
         self.index = BlockIndex(num_workers)
+        self.max_blocks = max_blocks
         self._first_blocks = first_blocks
         self.block_size: int | None = None  # learned from the first stored block
         self.silent_after_s = silent_after_s
@@ -103,6 +112,7 @@ class KVView:
         self.gaps = np.zeros(num_workers, dtype=np.int64)  # sequence jumps seen
         self.lost = np.zeros(num_workers, dtype=np.int64)  # of them, not repaired by a replay
         self.undecodable = np.zeros(num_workers, dtype=np.int64)
+        self.overflows = np.zeros(num_workers, dtype=np.int64)  # indexes started over
 
     @property
     def num_workers(self) -> int:
@@ -205,6 +215,13 @@ class KVView:
             self.lost[worker] += 1
             self.index.cleared(worker)
 
+    def _overflow(self, worker: int) -> None:
+        self.overflows[worker] += 1
+        self.index.cleared(worker)
+        log.warning("worker %d's KV index passed %d blocks: its events miss removals, or its"
+                    " cache is larger than the bound; started over (%d times so far)", worker,
+                    self.max_blocks, self.overflows[worker])
+
     def _event(self, worker: int, event: KVEvent) -> None:
         if type(event) is AllBlocksCleared:
             self.index.cleared(worker)
@@ -213,6 +230,8 @@ class KVView:
         elif type(event) is BlockStored:
             self.block_size = event.block_size
             self.index.stored(worker, external_hashes(event.block_hashes))
+            if self.index.held(worker) > self.max_blocks:
+                self._overflow(worker)
             if self._first_blocks is not None:
                 self._first_blocks(event)
         else:
@@ -223,7 +242,8 @@ class KVView:
         return [
             {"trusted": bool(trusted[w]), "blocks": self.index.held(w),
              "events": int(self.events[w]), "gaps": int(self.gaps[w]),
-             "lost": int(self.lost[w]), "undecodable": int(self.undecodable[w])}
+             "lost": int(self.lost[w]), "undecodable": int(self.undecodable[w]),
+             "overflows": int(self.overflows[w])}
             for w in range(self.num_workers)
         ]
 
