@@ -13,7 +13,9 @@ vllm-router is the Rust router from PyPI (``pip install vllm-router``; give its 
 ``--vllm-router``). Its ``kv_aware`` policy needs KV events at block size 16 in PD mode, which
 vLLM's CPU attention cannot use (multiples of 32), so on CPU workers its best configuration
 that runs is ``cache_aware`` (an approximate prefix tree) on both legs: ``--vllm-router-policy``
-picks another.
+picks another. ``--vllm-router-decode-policy kv_aware`` runs its ``kv_aware`` on the decode leg
+alone, following the decode workers' own KV events (the endpoints ``eldr serve`` gives them, at
+the block size they publish), with ``--vllm-router-policy`` on the prefill leg.
 
     python -m examples.bench_kv_routers                      # about 15 min on 2 cores
     python -m examples.bench_kv_routers --rounds 2 --conversations 6 --policies eldr-kv
@@ -107,7 +109,11 @@ def main() -> None:
                     help="the vllm-router executable (pip install vllm-router)")
     ap.add_argument("--no-vllm-router", action="store_true",
                     help="bench eldr's policies and variants alone")
-    ap.add_argument("--vllm-router-policy", default="cache_aware")
+    ap.add_argument("--vllm-router-policy", default="cache_aware",
+                    help="vllm-router's policy (its prefill leg's, with a decode policy)")
+    ap.add_argument("--vllm-router-decode-policy", default=None,
+                    help="vllm-router's decode leg's policy (default: --vllm-router-policy);"
+                    " kv_aware follows the decode workers' KV events")
     ap.add_argument("--variant", action="append", default=[],
                     help="a row of an eldr policy with its own options, LABEL=POLICY:JSON, as"
                     " `eldr bench --variant` takes it (repeatable)")
@@ -172,17 +178,53 @@ def main() -> None:
             subprocess.run(bench, env=env, check=True)
             return
         argv = [args.vllm_router, "--vllm-pd-disaggregation", "--host", "127.0.0.1",
-                "--port", str(router_port), "--policy", args.vllm_router_policy]
+                "--port", str(router_port)]
+        argv += _vllm_router_policies(args.vllm_router_policy, args.vllm_router_decode_policy,
+                                      proxy, state)
         for url in prefill:
             argv += ["--prefill", url]
         for url in decode:
             argv += ["--decode", url]
+        print(" ".join(argv), flush=True)
         with _running(argv, home / "vllm-router.log") as routed:
             _wait_healthy(router, routed, "vllm-router", 60)
             name = f"vllm-router-{args.vllm_router_policy.replace('_', '-')}"
+            if args.vllm_router_decode_policy:
+                name += f"-{args.vllm_router_decode_policy.replace('_', '-')}"
             bench += ["--router", f"{name}={router}"]
             print(" ".join(bench[2:]), flush=True)
             subprocess.run(bench, env=env, check=True)
+
+
+def _vllm_router_policies(policy: str, decode_policy: str | None, proxy: str,
+                          state: dict) -> list[str]:
+    """vllm-router's policy flags. Its ``kv_aware`` on decode reads the decode workers' own KV
+    events; it needs ``--policy kv_aware`` itself, the workers' block size (known once one
+    stored a block: a prompt of a few blocks is sent through eldr's proxy first) and the model
+    the requests name."""
+    if decode_policy != "kv_aware":
+        return ["--policy", policy] + (["--decode-policy", decode_policy] if decode_policy
+                                       else [])
+    from stages.routing.kv.endpoints import replay_endpoint
+
+    model = httpx.get(f"{proxy}/v1/models", timeout=10).json()["data"][0]["id"]
+    words = " ".join(f"word{i}" for i in range(600))
+    httpx.post(f"{proxy}/v1/completions", json={"model": model, "prompt": words,
+                                                "max_tokens": 1}, timeout=120)
+    kv: dict = {}
+    for _ in range(60):
+        kv = httpx.get(f"{proxy}/admin/state", timeout=10).json()["kv"] or {}
+        if kv.get("block_size"):
+            break
+        time.sleep(0.5)
+    else:
+        raise SystemExit("the workers published no KV block: is eldr-kv following them?")
+    flags = ["--policy", "kv_aware", "--prefill-policy", policy, "--decode-policy", "kv_aware",
+             "--kv-event-block-size", str(kv["block_size"]), "--kv-event-model", model]
+    for worker, row in zip(state["decode_workers"], kv["decode"], strict=True):
+        flags += ["--kv-event-source", f"{worker['url']}={row['endpoint']}",
+                  "--kv-event-replay-source", f"{worker['url']}={replay_endpoint(row['endpoint'])}"]
+    return flags
 
 
 def _engine_cost(eldr: list[str], env: dict[str, str], home: Path, proxy: str) -> Path:

@@ -269,7 +269,7 @@ def kv_proxy() -> Iterator[tuple[object, list[FakeBehavior], httpx.Client]]:
     behaviors = [FakeBehavior(n) for n in ("p0", "p1", "d0", "d1")]
     servers = [BackgroundServer(create_fake_worker(b), "critical").start() for b in behaviors]
     kv = KVConfig(tokenizer=str(BUNDLED_MODELS_DIR / "tiny"), prefill_events=(None, None),
-                  decode_events=(None, None))
+                  decode_events=(None, "ipc:///nowhere/d1"))
     config = fast_config([s.url for s in servers[:2]], [s.url for s in servers[2:]],
                          policy="eldr-kv", model="tiny", kv=kv)
     app = create_app(config)
@@ -302,6 +302,7 @@ def test_the_proxy_sends_both_legs_to_the_workers_holding_the_prompt(kv_proxy) -
     assert cached == 3 * ((len(ids) - 1) // 32) * 32
     snapshot = client.get("/admin/state").json()["kv"]
     assert snapshot["prefill"][1]["blocks"] == len(hashes) and snapshot["prefill"][1]["trusted"]
+    assert [w["endpoint"] for w in snapshot["decode"]] == [None, "ipc:///nowhere/d1"]
     page = client.get("/metrics").text
     assert "eldr_kv_index_trusted" in page
     assert 'eldr_kv_index_overflows_total{role="decode",worker="decode-0"} 0.0' in page

@@ -126,6 +126,9 @@ def test_the_card_serves_20_clusters_on_two_workers_and_benches(
     assert state["policy"] == "eldr-kv"
     assert len(state["kv"]["prefill"]) == 1 and len(state["kv"]["decode"]) == 2
     assert state["kv"]["prefill_compute_groups"] == [0]  # from serve's core plan
+    # Where each worker's events are followed: serve's own ipc sockets, one a worker.
+    endpoints = [w["endpoint"] for role in ("prefill", "decode") for w in state["kv"][role]]
+    assert all(e.startswith("ipc://") for e in endpoints) and len(set(endpoints)) == 3
     assert [len(w["clusters"]) for w in state["decode_workers"]] == [10, 10]
     eldr_ok("bench", "--url", deployment.proxy_url, "--policies", "eldr,jsq", "--num-prompts",
             "8", "--rounds", "1", "--max-tokens", "8", "--request-rate", "inf",

@@ -255,7 +255,18 @@ class KVRouting:
         return known
 
     def state(self) -> dict[str, Any]:
-        return {"prefill": self.prefill.state(), "decode": self.decode.state(),
+        config = self.config
+        return {"prefill": _with_endpoints(self.prefill.state(), config.prefill_events),
+                "decode": _with_endpoints(self.decode.state(), config.decode_events),
+                # The workers' block size, once their first stored block told it (None before).
+                "block_size": self.prefill.block_size or self.decode.block_size,
                 "prefill_queued_tokens": self.prefill_queued.tolist(),
                 # Prefill workers priced by one queue (they share cores or a GPU).
                 "prefill_compute_groups": list(self.config.prefill_compute)}
+
+
+def _with_endpoints(rows: list[dict[str, Any]], endpoints: tuple[str | None, ...]
+                    ) -> list[dict[str, Any]]:
+    """Each worker's row with where its KV events are followed (for another router, or a
+    person, to follow the same)."""
+    return [{**row, "endpoint": endpoint} for row, endpoint in zip(rows, endpoints, strict=True)]
