@@ -43,3 +43,46 @@ def test_engine_cost_without_an_artifact_says_how_to_get_one(tmp_path: Path) -> 
     (tmp_path / "cost-model.json").write_text("{}")  # measured before: reused, nothing run
     assert _engine_cost(["eldr"], {}, tmp_path, "http://127.0.0.1:1") == (
         tmp_path / "cost-model.json")
+
+
+def test_vllm_routers_kv_aware_decode_follows_each_decode_workers_own_events(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    from examples.bench_kv_routers import _vllm_router_policies
+
+    states = iter([{"kv": {"block_size": None}},  # before the warm-up prompt's blocks
+                   {"kv": {"block_size": 128, "decode": [{"endpoint": "ipc:///k/2"},
+                                                         {"endpoint": "tcp://h:5700"}]}}])
+    sent = []
+
+    class Answer:
+        def __init__(self, doc: dict) -> None:
+            self._doc = doc
+
+        def json(self) -> dict:
+            return self._doc
+
+    def get(url: str, timeout: float) -> Answer:
+        if url.endswith("/v1/models"):
+            return Answer({"data": [{"id": "tiny"}]})
+        return Answer(next(states))
+
+    monkeypatch.setattr(httpx, "get", get)
+    monkeypatch.setattr(httpx, "post", lambda url, json, timeout: sent.append(json))
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    state = {"decode_workers": [{"url": "http://d0"}, {"url": "http://d1"}]}
+    flags = _vllm_router_policies("cache_aware", "kv_aware", "http://proxy", state)
+    assert sent and sent[0]["model"] == "tiny"
+    assert flags == [
+        "--policy", "kv_aware", "--prefill-policy", "cache_aware", "--decode-policy",
+        "kv_aware", "--kv-event-block-size", "128", "--kv-event-model", "tiny",
+        "--kv-event-source", "http://d0=ipc:///k/2",
+        "--kv-event-replay-source", "http://d0=ipc:///k/2.replay",
+        "--kv-event-source", "http://d1=tcp://h:5700",
+        "--kv-event-replay-source", "http://d1=tcp://h:5701"]
+    # Any other decode policy: vllm-router's own flags only, nothing asked of the proxy.
+    assert _vllm_router_policies("cache_aware", None, "http://proxy", state) == [
+        "--policy", "cache_aware"]
+    assert _vllm_router_policies("cache_aware", "power_of_two", "http://proxy", state) == [
+        "--policy", "cache_aware", "--decode-policy", "power_of_two"]
