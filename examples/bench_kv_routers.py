@@ -208,9 +208,11 @@ def _vllm_router_policies(policy: str, decode_policy: str | None, proxy: str,
     from stages.routing.kv.endpoints import replay_endpoint
 
     model = httpx.get(f"{proxy}/v1/models", timeout=10).json()["data"][0]["id"]
-    words = " ".join(f"word{i}" for i in range(600))
-    httpx.post(f"{proxy}/v1/completions", json={"model": model, "prompt": words,
-                                                "max_tokens": 1}, timeout=120)
+    words = " ".join(f"word{i}" for i in range(150))  # a few blocks, far below the model's length
+    answer = httpx.post(f"{proxy}/v1/completions", json={"model": model, "prompt": words,
+                                                         "max_tokens": 1}, timeout=120)
+    if answer.status_code != 200:
+        raise SystemExit(f"the warm-up prompt failed: {answer.status_code} {answer.text[:200]}")
     kv: dict = {}
     for _ in range(60):
         kv = httpx.get(f"{proxy}/admin/state", timeout=10).json()["kv"] or {}

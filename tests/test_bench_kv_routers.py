@@ -57,6 +57,8 @@ def test_vllm_routers_kv_aware_decode_follows_each_decode_workers_own_events(
     sent = []
 
     class Answer:
+        status_code = 200
+
         def __init__(self, doc: dict) -> None:
             self._doc = doc
 
@@ -69,7 +71,8 @@ def test_vllm_routers_kv_aware_decode_follows_each_decode_workers_own_events(
         return Answer(next(states))
 
     monkeypatch.setattr(httpx, "get", get)
-    monkeypatch.setattr(httpx, "post", lambda url, json, timeout: sent.append(json))
+    monkeypatch.setattr(httpx, "post",
+                        lambda url, json, timeout: sent.append(json) or Answer({}))
     monkeypatch.setattr("time.sleep", lambda s: None)
     state = {"decode_workers": [{"url": "http://d0"}, {"url": "http://d1"}]}
     flags = _vllm_router_policies("cache_aware", "kv_aware", "http://proxy", state)
