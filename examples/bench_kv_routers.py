@@ -15,7 +15,9 @@ vLLM's CPU attention cannot use (multiples of 32), so on CPU workers its best co
 that runs is ``cache_aware`` (an approximate prefix tree) on both legs: ``--vllm-router-policy``
 picks another. ``--vllm-router-decode-policy kv_aware`` runs its ``kv_aware`` on the decode leg
 alone, following the decode workers' own KV events (the endpoints ``eldr serve`` gives them, at
-the block size they publish), with ``--vllm-router-policy`` on the prefill leg.
+the block size they publish; relayed to tcp, the only endpoints vllm-router takes, without their
+replay), with
+``--vllm-router-policy`` on the prefill leg.
 
     python -m examples.bench_kv_routers                      # about 15 min on 2 cores
     python -m examples.bench_kv_routers --rounds 2 --conversations 6 --policies eldr-kv
@@ -50,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -180,7 +182,7 @@ def main() -> None:
         argv = [args.vllm_router, "--vllm-pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(router_port)]
         argv += _vllm_router_policies(args.vllm_router_policy, args.vllm_router_decode_policy,
-                                      proxy, state)
+                                      proxy, state, tcp_relay)
         for url in prefill:
             argv += ["--prefill", url]
         for url in decode:
@@ -197,11 +199,12 @@ def main() -> None:
 
 
 def _vllm_router_policies(policy: str, decode_policy: str | None, proxy: str,
-                          state: dict) -> list[str]:
+                          state: dict, relay: Callable[[str], str] | None = None) -> list[str]:
     """vllm-router's policy flags. Its ``kv_aware`` on decode reads the decode workers' own KV
     events; it needs ``--policy kv_aware`` itself, the workers' block size (known once one
     stored a block: a prompt of a few blocks is sent through eldr's proxy first) and the model
-    the requests name."""
+    the requests name; ``relay`` gives the endpoint vllm-router is to read a worker's events
+    from, without its replay (``tcp_relay``; None: the worker's own, with its replay)."""
     if decode_policy != "kv_aware":
         return ["--policy", policy] + (["--decode-policy", decode_policy] if decode_policy
                                        else [])
@@ -224,9 +227,30 @@ def _vllm_router_policies(policy: str, decode_policy: str | None, proxy: str,
     flags = ["--policy", "kv_aware", "--prefill-policy", policy, "--decode-policy", "kv_aware",
              "--kv-event-block-size", str(kv["block_size"]), "--kv-event-model", model]
     for worker, row in zip(state["decode_workers"], kv["decode"], strict=True):
-        flags += ["--kv-event-source", f"{worker['url']}={row['endpoint']}",
-                  "--kv-event-replay-source", f"{worker['url']}={replay_endpoint(row['endpoint'])}"]
+        endpoint = row["endpoint"]
+        if relay is not None:
+            flags += ["--kv-event-source", f"{worker['url']}={relay(endpoint)}"]
+        else:
+            flags += ["--kv-event-source", f"{worker['url']}={endpoint}",
+                      "--kv-event-replay-source", f"{worker['url']}={replay_endpoint(endpoint)}"]
     return flags
+
+
+def tcp_relay(endpoint: str) -> str:
+    """``endpoint``'s KV events published again on tcp://127.0.0.1 by a ZeroMQ proxy thread,
+    for the rest of this process. eldr serve's workers publish on ipc sockets (bound, yet
+    reachable from this host only); vllm-router takes tcp://HOST:PORT only. Their replay is not
+    relayed (vLLM's replay socket takes a request of exactly three frames, which a ROUTER
+    relay's envelope breaks): vllm-router follows from its start, before the conversations."""
+    import zmq
+    from zmq.devices import ThreadProxy
+
+    (port,) = free_ports(1)
+    events = ThreadProxy(zmq.XSUB, zmq.XPUB)
+    events.connect_in(endpoint)
+    events.bind_out(f"tcp://127.0.0.1:{port}")
+    events.start()
+    return f"tcp://127.0.0.1:{port}"
 
 
 def _engine_cost(eldr: list[str], env: dict[str, str], home: Path, proxy: str) -> Path:
