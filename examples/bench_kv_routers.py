@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -114,8 +114,7 @@ def main() -> None:
     ap.add_argument("--vllm-router-policy", default="cache_aware",
                     help="vllm-router's policy (its prefill leg's, with a decode policy)")
     ap.add_argument("--vllm-router-decode-policy", default=None,
-                    help="vllm-router's decode leg's policy (default: --vllm-router-policy);"
-                    " kv_aware follows the decode workers' KV events")
+                    help="vllm-router's decode leg's policy (default: --vllm-router-policy)")
     ap.add_argument("--variant", action="append", default=[],
                     help="a row of an eldr policy with its own options, LABEL=POLICY:JSON, as"
                     " `eldr bench --variant` takes it (repeatable)")
@@ -181,8 +180,7 @@ def main() -> None:
             return
         argv = [args.vllm_router, "--vllm-pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(router_port)]
-        argv += _vllm_router_policies(args.vllm_router_policy, args.vllm_router_decode_policy,
-                                      proxy, state, tcp_relay)
+        argv += _vllm_router_policies(args.vllm_router_policy, args.vllm_router_decode_policy)
         for url in prefill:
             argv += ["--prefill", url]
         for url in decode:
@@ -198,59 +196,16 @@ def main() -> None:
             subprocess.run(bench, env=env, check=True)
 
 
-def _vllm_router_policies(policy: str, decode_policy: str | None, proxy: str,
-                          state: dict, relay: Callable[[str], str] | None = None) -> list[str]:
-    """vllm-router's policy flags. Its ``kv_aware`` on decode reads the decode workers' own KV
-    events; it needs ``--policy kv_aware`` itself, the workers' block size (known once one
-    stored a block: a prompt of a few blocks is sent through eldr's proxy first) and the model
-    the requests name; ``relay`` gives the endpoint vllm-router is to read a worker's events
-    from, without its replay (``tcp_relay``; None: the worker's own, with its replay)."""
-    if decode_policy != "kv_aware":
-        return ["--policy", policy] + (["--decode-policy", decode_policy] if decode_policy
-                                       else [])
-    from stages.routing.kv.endpoints import replay_endpoint
-
-    model = httpx.get(f"{proxy}/v1/models", timeout=10).json()["data"][0]["id"]
-    words = " ".join(f"word{i}" for i in range(150))  # a few blocks, far below the model's length
-    answer = httpx.post(f"{proxy}/v1/completions", json={"model": model, "prompt": words,
-                                                         "max_tokens": 1}, timeout=120)
-    if answer.status_code != 200:
-        raise SystemExit(f"the warm-up prompt failed: {answer.status_code} {answer.text[:200]}")
-    kv: dict = {}
-    for _ in range(60):
-        kv = httpx.get(f"{proxy}/admin/state", timeout=10).json()["kv"] or {}
-        if kv.get("block_size"):
-            break
-        time.sleep(0.5)
-    else:
-        raise SystemExit("the workers published no KV block: is eldr-kv following them?")
-    flags = ["--policy", "kv_aware", "--prefill-policy", policy, "--decode-policy", "kv_aware",
-             "--kv-event-block-size", str(kv["block_size"]), "--kv-event-model", model]
-    for worker, row in zip(state["decode_workers"], kv["decode"], strict=True):
-        endpoint = row["endpoint"]
-        if relay is not None:
-            flags += ["--kv-event-source", f"{worker['url']}={relay(endpoint)}"]
-        else:
-            flags += ["--kv-event-source", f"{worker['url']}={endpoint}",
-                      "--kv-event-replay-source", f"{worker['url']}={replay_endpoint(endpoint)}"]
-    return flags
-
-
-def tcp_relay(endpoint: str) -> str:
-    """``endpoint``'s KV events published again on tcp://127.0.0.1 by a ZeroMQ proxy thread,
-    for the rest of this process. eldr serve's workers publish on ipc sockets (bound, yet
-    reachable from this host only); vllm-router takes tcp://HOST:PORT only. Their replay is not
-    relayed (vLLM's replay socket takes a request of exactly three frames, which a ROUTER
-    relay's envelope breaks): vllm-router follows from its start, before the conversations."""
-    import zmq
-    from zmq.devices import ThreadProxy
-
-    (port,) = free_ports(1)
-    events = ThreadProxy(zmq.XSUB, zmq.XPUB)
-    events.connect_in(endpoint)
-    events.bind_out(f"tcp://127.0.0.1:{port}")
-    events.start()
-    return f"tcp://127.0.0.1:{port}"
+def _vllm_router_policies(policy: str, decode_policy: str | None) -> list[str]:
+    """vllm-router's policy flags: ``policy`` on both legs, or on prefill beside
+    ``decode_policy``. Its ``kv_aware`` cannot be one of them on CPU workers in PD mode (the
+    module's docstring)."""
+    if "kv_aware" in (policy, decode_policy):
+        raise SystemExit("vllm-router 0.1.17 runs kv_aware in PD mode only from the prefill"
+                         " workers' events at block size 16 (--pd-kv-events), which vLLM's CPU"
+                         " attention cannot use, and refuses the decode workers' events"
+                         " (--kv-event-source is for its regular mode only)")
+    return ["--policy", policy] + (["--decode-policy", decode_policy] if decode_policy else [])
 
 
 def _engine_cost(eldr: list[str], env: dict[str, str], home: Path, proxy: str) -> Path:
