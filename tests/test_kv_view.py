@@ -182,6 +182,14 @@ def test_a_prompt_matched_from_its_head_alone_owes_events_whatever_its_worker_ho
     assert view.trusted().tolist() == [False, False]  # a stream that died is found out
 
 
+def test_a_block_size_below_one_is_refused_with_its_batch() -> None:
+    view = KVView(1)
+    view.apply(0, 0, batch(stored([1], block_size=0)))
+    assert view.undecodable[0] == 1 and view.block_size is None and view.index.held(0) == 0
+    view.apply(0, 0, batch(stored([1], block_size=16)))
+    assert view.block_size == 16 and view.index.held(0) == 1
+
+
 def test_a_gap_the_replay_cannot_fill_clears_the_workers_blocks() -> None:
     view = KVView(1)
     view.apply(0, 0, batch(stored([1])))

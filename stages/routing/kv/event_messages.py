@@ -9,6 +9,8 @@ either decodes whole or not at all, so a malformed one changes nothing.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from stages.routing.kv.block_hashes import external_hash
@@ -18,7 +20,9 @@ _LOW_64 = (1 << 64) - 1
 
 class BlockStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[int | bytes]
-    block_size: int
+    # Below 1 the proxy could hash no prompt (every request's match would fail): refused with
+    # the batch, as any message that is not vLLM's.
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
     parent_block_hash: int | bytes | None = None
     # Left undecoded: only a sequence's first block's first ids are read (``leading_ids``).
     token_ids: msgspec.Raw = msgspec.Raw()
