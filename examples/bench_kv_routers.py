@@ -13,11 +13,9 @@ vllm-router is the Rust router from PyPI (``pip install vllm-router``; give its 
 ``--vllm-router``). Its ``kv_aware`` policy needs KV events at block size 16 in PD mode, which
 vLLM's CPU attention cannot use (multiples of 32), so on CPU workers its best configuration
 that runs is ``cache_aware`` (an approximate prefix tree) on both legs: ``--vllm-router-policy``
-picks another. ``--vllm-router-decode-policy kv_aware`` runs its ``kv_aware`` on the decode leg
-alone, following the decode workers' own KV events (the endpoints ``eldr serve`` gives them, at
-the block size they publish; relayed to tcp, the only endpoints vllm-router takes, without their
-replay), with
-``--vllm-router-policy`` on the prefill leg.
+picks another, ``--vllm-router-decode-policy`` another for the decode leg. Nor can its
+``kv_aware`` run on the decode leg alone: 0.1.17 refuses static ``--kv-event-source`` in PD mode
+("only supported in regular mode").
 
     python -m examples.bench_kv_routers                      # about 15 min on 2 cores
     python -m examples.bench_kv_routers --rounds 2 --conversations 6 --policies eldr-kv
