@@ -311,6 +311,7 @@ def test_the_proxy_sends_both_legs_to_the_workers_holding_the_prompt(kv_proxy) -
     snapshot = client.get("/admin/state").json()["kv"]
     assert snapshot["prefill"][1]["blocks"] == len(hashes) and snapshot["prefill"][1]["trusted"]
     assert [w["endpoint"] for w in snapshot["decode"]] == [None, "ipc:///nowhere/d1"]
+    assert snapshot["block_size"] == 32
     page = client.get("/metrics").text
     assert "eldr_kv_index_trusted" in page
     assert 'eldr_kv_index_overflows_total{role="decode",worker="decode-0"} 0.0' in page

@@ -85,17 +85,17 @@ CONVERSATION_METRICS: tuple[Metric, ...] = (
 # Where a live router's mean TTFT goes, from the workers' own histograms
 # (``live.engine_latency``): the prefill engines' whole request, the decode engines' time to
 # first token (and the part of it queued: the KV pull's wait), and the rest (router, HTTP).
-# The simulator's own split of later turns' TTFT (PD path, means: the parts add up).
-SIM_TTFT_PARTS: tuple[Metric, ...] = (
-    Metric("sim_ttft_later_pd_ms", "TTFT mean t>=2", "ms"),
-    Metric("sim_ttft_prefill_ms", "prefill (queue + compute)", "ms"),
-    Metric("sim_ttft_pull_ms", "KV pull", "ms"),
-    Metric("sim_ttft_first_step_ms", "first decode step (wait + own)", "ms"),
-)
 TTFT_PARTS: tuple[Metric, ...] = (
     Metric("mean_ttft_ms", "TTFT mean", "ms"),
     Metric("prefill_engine_ms", "P engine", "ms"),
     Metric("decode_engine_ttft_ms", "D engine TTFT", "ms"),
     Metric("decode_engine_queue_ms", "of it queued", "ms"),
     Metric("ttft_outside_engines_ms", "outside engines", "ms"),
+)
+# The simulator's own split of later turns' TTFT (PD path, means: the parts add up).
+SIM_TTFT_PARTS: tuple[Metric, ...] = (
+    Metric("sim_ttft_later_pd_ms", "TTFT mean t>=2", "ms"),
+    Metric("sim_ttft_prefill_ms", "prefill (queue + compute)", "ms"),
+    Metric("sim_ttft_pull_ms", "KV pull", "ms"),
+    Metric("sim_ttft_first_step_ms", "first decode step (wait + own)", "ms"),
 )
