@@ -241,10 +241,12 @@ def test_requests_recorded_as_soon_as_health_says_ok_lose_no_row(
     /health says ok finishes after the proxy's subscriptions joined, so its counts come."""
     behaviors, servers, endpoints = unpublished_workers
     path, requests = tmp_path / "traffic.zarr", 8
-    with _proxy(servers, endpoints, record=RecordConfig(path)) as proxy, \
-            httpx.Client(base_url=proxy.url, timeout=30) as client:
+    # A bound long enough that ok means heard, on a machine loaded enough to delay the first
+    # heartbeats past the default 2 s (CI did; ok then came from the bound, as it should).
+    with _proxy(servers, endpoints, record=RecordConfig(path), batch_stale_after_s=60.0
+                ) as proxy, httpx.Client(base_url=proxy.url, timeout=30) as client:
         _publish(behaviors, endpoints)
-        _until_ok(client, timeout_s=30)
+        assert _until_ok(client, timeout_s=60).json()["unheard_streams"] == []
         for i in range(requests):
             body = {"prompt": f"request {i}", "max_tokens": 2 + i % 3}
             assert client.post("/v1/completions", json=body).status_code == 200
