@@ -125,7 +125,8 @@ def format_conversations(metrics: Mapping[str, Mapping[str, object]], title: str
         lines += ["", "where TTFT goes (means over all turns, ms; the workers' own histograms)"]
         lines += _table([["router", *(c.label for c in TTFT_PARTS)], *parts])
     sim_parts = [[name, *(_fmt(_number(m.get(c.key))) for c in SIM_TTFT_PARTS)]
-                 for name, m in metrics.items() if _number(m.get("sim_ttft_later_pd_ms"))]
+                 for name, m in metrics.items()
+                 if math.isfinite(_number(m.get("sim_ttft_later_pd_ms")) or math.nan)]
     if sim_parts:
         lines += ["", "where later turns' TTFT goes (simulated, PD path, means, ms)"]
         lines += _table([["router", *(c.label for c in SIM_TTFT_PARTS)], *sim_parts])

@@ -63,6 +63,12 @@ class AppenderCounts:
     failed: int = 0  # rows lost to a failed write (the error is logged)
     errors: list[str] = field(default_factory=list)  # the first few, for /admin/state
 
+    def lost(self, rows: int, error: str) -> None:
+        """``rows`` not written, for ``error`` (kept among the first few)."""
+        self.failed += rows
+        if len(self.errors) < 5:
+            self.errors.append(error)
+
 
 @dataclass(frozen=True)
 class _Appended:
@@ -224,9 +230,7 @@ class DatasetAppender:
             # writer that finishes later may yet write some; what it reports then is ignored).
             with self._lock:
                 lost, self._waiting, self._given_up = self._waiting, 0, True
-                self.counts.failed += lost
-                if len(self.counts.errors) < 5:
-                    self.counts.errors.append(f"the writer did not finish within {timeout_s:g} s")
+                self.counts.lost(lost, f"the writer did not finish within {timeout_s:g} s")
             log.error("recording: the writer did not finish within %g s; %d rows counted as"
                       " not written", timeout_s, lost)
         self._writer_lock.release()
@@ -243,9 +247,7 @@ class DatasetAppender:
             self.counts.malformed += outcome.malformed
             lost = rows - outcome.malformed  # those refused are counted as such
             if outcome.error is not None:
-                self.counts.failed += lost
-                if len(self.counts.errors) < 5:
-                    self.counts.errors.append(outcome.error)
+                self.counts.lost(lost, outcome.error)
         if outcome.error is not None:
             log.error("recording: %d rows not written to %s: %s", lost, self.path,
                       outcome.error)

@@ -262,7 +262,7 @@ class KVRouting:
                 "block_size": self.prefill.block_size or self.decode.block_size,
                 "prefill_queued_tokens": self.prefill_queued.tolist(),
                 # Prefill workers priced by one queue (they share cores or a GPU).
-                "prefill_compute_groups": list(self.config.prefill_compute)}
+                "prefill_compute_groups": list(config.prefill_compute)}
 
 
 def _with_endpoints(rows: list[dict[str, Any]], endpoints: tuple[str | None, ...]
