@@ -45,6 +45,10 @@ They send one batch per prompt (as a vLLM engine whose every step ran one prompt
 one per engine step, with the events of every prompt the step ran: ``--kv-step-ms`` publishes
 so, a batch per step of that many ms.
 
+``--baseline DIR`` measures eldr's routers from another checkout too (``git worktree add DIR
+COMMIT``), in the same run on the same fakes: ``NAME@base`` is router NAME started from DIR, so
+a change is judged against what users ran before it, on this minute's machine.
+
 ``--profile DIR`` samples each eldr router with py-spy (``pip install py-spy``) during every
 point: a flame graph per point in DIR, and the functions with the most CPU printed.
 """
@@ -169,9 +173,21 @@ def serve_fakes(ports: list[int], tokens: int, pace_s: float,
 
 # -- routers ------------------------------------------------------------------------------
 
+BASE = "@base"  # a router's name suffix: started from the --baseline checkout
+
+
 def start_router(name: str, port: int, prefill: list[str], decode: list[str],
-                 batches: list[str], kv_events: list[str],
-                 home: Path) -> subprocess.Popen[bytes] | None:
+                 batches: list[str], kv_events: list[str], home: Path,
+                 baseline: Path | None = None) -> subprocess.Popen[bytes] | None:
+    env = {**os.environ, "ELDR_HOME": str(home)}
+    cwd = None
+    if name.endswith(BASE):
+        if baseline is None:
+            raise SystemExit(f"{name}: no --baseline checkout given")
+        name, cwd = name.removesuffix(BASE), baseline
+        # `python -m` imports from the working directory first; PYTHONPATH covers the
+        # subprocesses it spawns (--proxy-workers).
+        env["PYTHONPATH"] = str(baseline)
     if name == "direct":
         return None
     if name == "vllm-router":
@@ -204,8 +220,8 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
             for endpoint in kv_events:  # prefill workers first, as --attach-* lists them
                 argv += ["--attach-kv-events", endpoint]
     log = (home / f"{name}.log").open("wb")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "ELDR_HOME": str(home)}, start_new_session=True)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                            start_new_session=True)
 
 
 def recorded(home: Path, router: str) -> Path:
@@ -390,8 +406,25 @@ def measure(router: str, proc: subprocess.Popen[bytes] | None, url: str, workloa
                  sys_cpu)
 
 
+def kind(router: str) -> str:
+    """The router ``router`` names, from whichever checkout."""
+    return router.removesuffix(BASE)
+
+
+def kv_aware(router: str) -> bool:
+    return kind(router) in KV_AWARE
+
+
 def subscribes(router: str) -> bool:
-    return router.endswith(("-pub", "-rec"))
+    return kind(router).endswith(("-pub", "-rec"))
+
+
+def router_name(name: str) -> str:
+    if kind(name) not in ROUTERS or (name.endswith(BASE) and kind(name) in ("direct",
+                                                                          "vllm-router")):
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: one of {', '.join(ROUTERS)}, or an eldr one with {BASE}")
+    return name
 
 
 def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[str, int]],
@@ -406,7 +439,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
     decode = [f"http://127.0.0.1:{p}" for p in ports[args.prefill:-1]]
     batches = [f"tcp://127.0.0.1:{p}" for p in batch_ports or []]
     kv_events = ([f"tcp://127.0.0.1:{p}" for p in kv_event_ports(len(ports) - 1, ports)]
-                 if any(r in KV_AWARE for r in routers) else [])
+                 if any(kv_aware(r) for r in routers) else [])
     texts, chars_per_token = prompts
     kv_model = str(BUNDLED_MODELS_DIR / "tiny") if args.repeat_prompts else None
     fakes = [ctx.Process(target=serve_fakes, daemon=True,
@@ -431,12 +464,13 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
             wait_healthy(url, 60, lambda: None, interval_s=0.1)
         for router in routers:
             port = ports[-1]
-            proc = start_router(router, port, prefill, decode, batches, kv_events, home)
+            proc = start_router(router, port, prefill, decode, batches, kv_events, home,
+                                args.baseline)
             url = decode[0] if proc is None else f"http://127.0.0.1:{port}"
             try:
                 if proc is not None:
                     wait_healthy(url, 120, proc.poll, interval_s=0.2)
-                if router in KV_AWARE:
+                if kv_aware(router):
                     print(f"{router}: its KV view replayed the workers' history in"
                           f" {wait_kv_caught_up(url):.1f} s", flush=True)
                 for workload, concurrency in work:
@@ -450,7 +484,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     if spy is not None:
                         spy.wait()
                         print(top_functions(args.profile / f"{name}.txt"), flush=True)
-                if router in KV_AWARE:
+                if kv_aware(router):
                     print(kv_state(url, home / f"{router}-kv-state.json"), flush=True)
             finally:
                 stop(proc)
@@ -545,7 +579,12 @@ def long_prompts(tokens: int) -> tuple[list[str] | None, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), type=router_name,
+                        metavar="ROUTER", help=f"of {', '.join(ROUTERS)}; NAME{BASE}: NAME"
+                        " from the --baseline checkout")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help="an eldr checkout (git worktree add DIR COMMIT) whose routers run"
+                        f" as NAME{BASE}")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256, 1024])
     parser.add_argument("--seconds", type=float, default=15.0, help="per point")
@@ -573,6 +612,10 @@ def main() -> int:
             shutil.which("vllm-router") or (Path(sys.executable).parent / "vllm-router").exists()):
         raise SystemExit("vllm-router is not installed: pip install vllm-router, or leave it"
                          " out with --routers direct eldr-union rr")
+    if any(r.endswith(BASE) for r in args.routers) and (
+            args.baseline is None or not (args.baseline / "eldr_cli").is_dir()):
+        raise SystemExit(f"routers named NAME{BASE} need --baseline DIR, an eldr checkout"
+                         f" (got {args.baseline})")
 
     home = Path(tempfile.mkdtemp(prefix="eldr-bench-proxy-"))
     points: list[Point] = []
@@ -597,7 +640,8 @@ def main() -> int:
                                          p.workers_cpu_ms_per_request}
                                     for p in points], indent=1))
     print(f"\n{_header()}")
-    for p in sorted(points, key=lambda p: (p.workload, p.concurrency, ROUTERS.index(p.router))):
+    for p in sorted(points, key=lambda p: (p.workload, p.concurrency, ROUTERS.index(kind(p.router)),
+                                               p.router)):
         print(_row(p))
     print(f"written {args.out}; router logs in {home}")
     return 0
