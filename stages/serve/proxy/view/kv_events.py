@@ -271,12 +271,60 @@ async def _follow(context: zmq.Context, worker: int, source: KVEventSource,
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(source.endpoint)
-    inbox = ZmqInbox(sub)
+    stream = _Stream(worker, sub, view)
     try:
         # What the worker stored before this proxy listened, as far as its buffer reaches.
         await _replay(context, worker, source, view, 0)
+        stream.start()
         while True:
-            await inbox.wait()
+            # The stream's batches go to the view from the loop's reader callback; this task
+            # wakes only for a gap, which a replay repairs.
+            start = await stream.gap()
+            repaired = await _replay(context, worker, source, view, start)
+            view.gap(worker, repaired)
+            stream.start()
+    finally:
+        stream.close()
+
+
+class _Stream:
+    """A worker's PUB socket read by the event loop's reader callback: each wake-up hands every
+    queued batch to the view, with no task switch a message (a follower gets one a request the
+    worker runs). At a sequence gap it stops, holding the batch after the gap, until ``start``
+    (after the replay) hands that batch on and reads what queued meanwhile."""
+
+    def __init__(self, worker: int, socket: zmq.Socket, view: KVView | ExpertEventsView) -> None:
+        self.worker = worker
+        self.view = view
+        self._inbox = ZmqInbox(socket, on_readable=self._read)
+        self._inbox.pause()  # until the first replay has run
+        self._after_gap: tuple[int, bytes] | None = None
+        self._gap: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    def start(self) -> None:
+        """Reads the stream from where it stopped (the batch held at a gap first)."""
+        held, self._after_gap = self._after_gap, None
+        if held is not None:
+            self.view.receive(self.worker, *held)  # a duplicate of the replay's is skipped
+        self._gap = asyncio.get_running_loop().create_future()
+        self._inbox.resume()
+        self._read()  # what queued while paused: the descriptor may not tell of it again
+
+    async def gap(self) -> int:
+        """The first batch number the stream skipped; raises what reading it raised."""
+        return await self._gap
+
+    def _read(self) -> None:
+        try:
+            self._take_queued()
+        except Exception as exc:  # handed to the follower's task, which dies of it
+            self._inbox.pause()
+            if not self._gap.done():
+                self._gap.set_exception(exc)
+
+    def _take_queued(self) -> None:
+        inbox, view, worker = self._inbox, self.view, self.worker
+        while inbox.queued():
             frames = inbox.recv()
             if len(frames) != 3 or len(frames[1]) != 8:
                 view.malformed(worker, f"{len(frames)} frames")
@@ -285,11 +333,14 @@ async def _follow(context: zmq.Context, worker: int, source: KVEventSource,
             last = view.latest_seq(worker)
             if last is not None and seq > last + 1:
                 view.flush()  # what came before the hole, then the replay's batches
-                repaired = await _replay(context, worker, source, view, last + 1)
-                view.gap(worker, repaired)
+                inbox.pause()
+                self._after_gap = (seq, frames[2])
+                self._gap.set_result(last + 1)
+                return
             view.receive(worker, seq, frames[2])
-    finally:
-        inbox.close()
+
+    def close(self) -> None:
+        self._inbox.close()
 
 
 async def _replay(context: zmq.Context, worker: int, source: KVEventSource,

@@ -3,26 +3,52 @@
 pyzmq's asyncio sockets cost a future, a poll and several callbacks per message received; a
 follower of a busy worker's KV events gets one message per request the worker runs. Here the
 socket is a plain one: the loop watches its descriptor, and each wake-up takes what is queued
-without waiting.
+without waiting, either in a task (``wait``) or, cheaper still, in a reader callback
+(``on_readable``: no task switch a message).
+
+ZeroMQ's descriptor is edge-like: it turns readable when the socket's state changes, and
+reading ``EVENTS`` clears it, whatever is still queued. Whoever reads must take messages until
+``queued`` says none is left; a reader paused (``pause``) is not called while messages queue,
+and must be drained by hand once resumed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import zmq
 
 
 class ZmqInbox:
-    """Owns ``socket`` (closed by ``close``); used from one event loop's thread."""
+    """Owns ``socket`` (closed by ``close``); used from one event loop's thread.
+    ``on_readable``: called from the loop when messages may be queued (else ``wait`` them)."""
 
-    def __init__(self, socket: zmq.Socket) -> None:
+    def __init__(self, socket: zmq.Socket, on_readable: Callable[[], None] | None = None) -> None:
         self.socket = socket
         self._loop = asyncio.get_running_loop()
         self._woken = asyncio.Event()
         self._fd = socket.FD
-        self._loop.add_reader(self._fd, self._woken.set)
+        self._reader = self._woken.set if on_readable is None else on_readable
+        self._loop.add_reader(self._fd, self._reader)
+        self._watched = True
+
+    def queued(self) -> bool:
+        """Whether a message is queued (clears the descriptor's readiness)."""
+        return bool(self.socket.get(zmq.EVENTS) & zmq.POLLIN)
+
+    def pause(self) -> None:
+        """Stop calling ``on_readable`` (a readable descriptor no one reads would spin the
+        loop)."""
+        if self._watched:
+            self._loop.remove_reader(self._fd)
+            self._watched = False
+
+    def resume(self) -> None:
+        if not self._watched:
+            self._loop.add_reader(self._fd, self._reader)
+            self._watched = True
 
     async def wait(self, timeout_s: float | None = None) -> bool:
         """Until a message is queued (True) or ``timeout_s`` passed (False)."""
@@ -56,5 +82,5 @@ class ZmqInbox:
         return parts
 
     def close(self) -> None:
-        self._loop.remove_reader(self._fd)
+        self.pause()
         self.socket.close(linger=0)
