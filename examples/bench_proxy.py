@@ -29,6 +29,9 @@ others leave it: compare routers within one run, and read the CPU columns.
         --concurrency 64                                  # what `eldr serve --record` costs
     python -m examples.bench_proxy --routers eldr-union eldr-kv --workloads plain \
         --prompt-tokens 2000                              # what KV-aware routing costs
+    git worktree add /tmp/base COMMIT && python -m examples.bench_proxy --baseline /tmp/base \
+        --routers eldr-union@base eldr-kv --workloads plain --concurrency 64 \
+        --prompt-tokens 2000 --rounds 4                   # against an earlier eldr, in turns
 
 Prompts: by default 16 short ones (about 8 tokens), repeated. ``--prompt-tokens N``: every
 request's prompt is its own (a request number, then one of 16 texts of about N tokens of the
@@ -67,7 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -113,6 +116,7 @@ class Point:
     # The router's CPU spent in the kernel (sockets): the same for any router that sends the
     # same bytes in as many writes, so what is left is what its own code costs.
     router_sys_s: float = 0.0
+    round: int = 0  # of --rounds: the routers take turns, each started again every round
 
     @property
     def rps(self) -> float:
@@ -462,7 +466,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
     try:
         for url in prefill + decode:
             wait_healthy(url, 60, lambda: None, interval_s=0.1)
-        for router in routers:
+        for round_, router in itertools.product(range(args.rounds), routers):
             port = ports[-1]
             proc = start_router(router, port, prefill, decode, batches, kv_events, home,
                                 args.baseline)
@@ -474,11 +478,13 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     print(f"{router}: its KV view replayed the workers' history in"
                           f" {wait_kv_caught_up(url):.1f} s", flush=True)
                 for workload, concurrency in work:
-                    name = f"{router}-{workload}-{concurrency}"
+                    name = f"{router}-{workload}-{concurrency}" + (
+                        f"-r{round_}" if args.rounds > 1 else "")
                     spy = start_profile(proc, router, args.profile, name, args.seconds)
                     point = measure(router, proc, url + "/v1/completions", workload,
                                     concurrency, args.seconds, args.tokens, fake_pids, texts,
                                     not args.repeat_prompts, next(numbers))
+                    point = replace(point, round=round_)
                     points.append(point)
                     print(_row(point), flush=True)
                     if spy is not None:
@@ -600,12 +606,19 @@ def main() -> int:
                         help="the fakes publish the KV events of the prompts they ran within"
                         " one engine step of this many ms as one batch, as vLLM does after each"
                         " step (0: one batch per prompt, as if every step ran one)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the routers take turns this many times on the same fakes, each"
+                        " started again a round; the summary gives each one's median CPU a"
+                        " request over them, and the first router's capacity over each's"
+                        " (this VM's figures move between minutes)")
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench_proxy.json"))
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="sample eldr's routers with py-spy during every point")
     args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     if args.profile is not None and not Path(_tool("py-spy")).exists():
         raise SystemExit("--profile needs py-spy: pip install py-spy")
     if "vllm-router" in args.routers and not (
@@ -643,8 +656,27 @@ def main() -> int:
     for p in sorted(points, key=lambda p: (p.workload, p.concurrency, ROUTERS.index(kind(p.router)),
                                                p.router)):
         print(_row(p))
+    if args.rounds > 1:
+        print(f"\n{summary(points, args.routers[0])}")
     print(f"written {args.out}; router logs in {home}")
     return 0
+
+
+def summary(points: list[Point], reference: str) -> str:
+    """Each router's median CPU a request over the rounds (lowest-highest), and the
+    reference router's requests per CPU-second over its own (the capacity ratio)."""
+    lines = [f"{'workload':>8} {'conc':>5} {'router':>16} {'rounds':>6} {'ms CPU/req, median':>19}"
+             f" {'(lowest-highest)':>17} {f'req/CPU-s over {reference}':>28}"]
+    cells: dict[tuple[str, int, str], list[float]] = {}
+    for p in points:
+        cells.setdefault((p.workload, p.concurrency, p.router), []).append(p.cpu_ms_per_request)
+    for (workload, conc, router), cpu in cells.items():
+        ref = cells.get((workload, conc, reference))
+        ratio = f"{np.median(ref) / np.median(cpu):.2f}" if ref else "-"
+        lines.append(f"{workload:>8} {conc:>5} {router:>16} {len(cpu):>6}"
+                     f" {np.median(cpu):>19.3f} {f'({min(cpu):.2f}-{max(cpu):.2f})':>17}"
+                     f" {ratio:>28}")
+    return "\n".join(lines)
 
 
 def _header() -> str:

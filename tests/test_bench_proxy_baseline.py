@@ -58,3 +58,19 @@ def test_base_routers_without_a_checkout_are_refused(
                                       "--baseline", str(tmp_path)])
     with pytest.raises(SystemExit, match="need --baseline DIR, an eldr checkout"):
         bench_proxy.main()
+
+
+def test_the_summary_gives_medians_over_rounds_and_capacity_over_the_first_router() -> None:
+    def point(router: str, cpu_s: float, round_: int) -> bench_proxy.Point:
+        return bench_proxy.Point(router, "plain", 64, 8.0, 1000, 0, 1000, 1.0, 2.0, cpu_s, 1.0,
+                                 round=round_)
+
+    points = [point("eldr-union@base", cpu, r) for r, cpu in enumerate((0.6, 0.7, 0.9))]
+    points += [point("eldr-kv", cpu, r) for r, cpu in enumerate((0.9, 1.4, 1.0))]
+    rows = {line.split()[2]: line.split() for line in
+            bench_proxy.summary(points, "eldr-union@base").splitlines()[1:]}
+    # Medians 0.7 and 1.0 ms a request: eldr-kv relays 0.7 of the reference's requests per
+    # CPU-second.
+    assert rows["eldr-union@base"][3:6] == ["3", "0.700", "(0.60-0.90)"]
+    assert rows["eldr-kv"][3:7] == ["3", "1.000", "(0.90-1.40)", "0.70"]
+    assert rows["eldr-union@base"][6] == "1.00"
