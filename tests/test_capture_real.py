@@ -178,13 +178,16 @@ def test_tensor_parallel_capture_equals_single_rank(
 ) -> None:
     """TP=2 (compiled) records what TP=1 (eager) records: the same tokens, each filed once (one
     rank records). The two engines' bf16 sums run in a different order, so a near-tie token
-    may pick another expert: measured 0.17% of picks between compiled TP=1 and TP=2."""
+    may pick another expert: measured 0.17% of picks between compiled TP=1 and TP=2, and up to
+    1.05% in one layer between eager TP=1 and compiled TP=2 where the engines batched the
+    prompts differently (a CI run beside the fast suite). A rank's picks lost or filed twice
+    would cost half of them or more."""
     one, two = capture_in("eager"), capture_in("compiled-tp2")
     picks_one, requests_one = prompt_picks(one)
     picks_two, requests_two = prompt_picks(two)
     assert requests_one == requests_two
     same = (np.sort(picks_one, -1) == np.sort(picks_two, -1)).all(-1)  # [L, tokens]
-    assert (same.mean(1) >= 0.99).all(), f"per-layer token agreement {same.mean(1)}"
+    assert (same.mean(1) >= 0.98).all(), f"per-layer token agreement {same.mean(1)}"
     a = SignatureDataset.open(one[0]).read()
     b = SignatureDataset.open(two[0]).read()
     assert a.ids.tolist() == b.ids.tolist()
