@@ -60,41 +60,30 @@ def measured(count: int, run: Callable[[int], None]) -> float:
     return time.process_time() - start
 
 
-def receive(endpoint: str, batches: int) -> float:
+def bare(endpoint: str, batches: int, take: Callable[[zmq.Socket, int], None]) -> float:
+    """CPU while ``take`` reads ``batches`` from a plain SUB socket, after a warm-up."""
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.connect(endpoint)
+    try:
+        take(sub, WARMUP)
+        return measured(batches, lambda n: take(sub, n))
+    finally:
+        sub.close(linger=0)
 
-    def blocking(n: int) -> None:
-        for _ in range(n):
+
+def blocking(sub: zmq.Socket, n: int) -> None:
+    for _ in range(n):
+        sub.recv_multipart()
+
+
+def periodic(sub: zmq.Socket, n: int) -> None:
+    while n > 0:
+        time.sleep(DRAIN_EVERY_S)
+        while n > 0 and sub.poll(0):
             sub.recv_multipart()
-
-    blocking(WARMUP)
-    try:
-        return measured(batches, blocking)
-    finally:
-        sub.close(linger=0)
-
-
-def drain(endpoint: str, batches: int) -> float:
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.connect(endpoint)
-
-    def periodic(n: int) -> None:
-        while n > 0:
-            time.sleep(DRAIN_EVERY_S)
-            while n > 0 and sub.poll(0):
-                sub.recv_multipart()
-                n -= 1
-
-    periodic(WARMUP)
-    try:
-        return measured(batches, periodic)
-    finally:
-        sub.close(linger=0)
+            n -= 1
 
 
 def follow(endpoint: str, batches: int) -> float:
@@ -127,7 +116,11 @@ def follow(endpoint: str, batches: int) -> float:
     return asyncio.run(main())
 
 
-RUNS = {"receive": receive, "drain": drain, "follow": follow}
+RUNS: dict[str, Callable[[str, int], float]] = {
+    "receive": lambda e, n: bare(e, n, blocking),
+    "drain": lambda e, n: bare(e, n, periodic),
+    "follow": follow,
+}
 
 
 def main() -> int:
