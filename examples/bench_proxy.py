@@ -183,18 +183,21 @@ BASE = "@base"  # a router's name suffix: started from the --baseline checkout
 def start_router(name: str, port: int, prefill: list[str], decode: list[str],
                  batches: list[str], kv_events: list[str], home: Path,
                  baseline: Path | None = None) -> subprocess.Popen[bytes] | None:
+    """``name`` as --routers gives it; its log and recording are its own, a base router's
+    apart from the same router's of this checkout."""
     env = {**os.environ, "ELDR_HOME": str(home)}
     cwd = None
     if name.endswith(BASE):
         if baseline is None:
             raise SystemExit(f"{name}: no --baseline checkout given")
-        name, cwd = name.removesuffix(BASE), baseline
+        cwd = baseline
         # `python -m` imports from the working directory first; PYTHONPATH covers the
         # subprocesses it spawns (--proxy-workers).
         env["PYTHONPATH"] = str(baseline)
-    if name == "direct":
+    router = kind(name)
+    if router == "direct":
         return None
-    if name == "vllm-router":
+    if router == "vllm-router":
         argv = [_tool("vllm-router"), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(port), "--log-level", "warning", "--prefill-policy", "round_robin",
                 # Its metrics port defaults to 29000, which another router on the host may hold.
@@ -205,8 +208,8 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
         for url in decode:
             argv += ["--decode", url]
     else:
-        policy = name.removesuffix("-2p").removesuffix("-pub").removesuffix("-rec")
-        processes = "2" if name.endswith("-2p") else "1"
+        policy = router.removesuffix("-2p").removesuffix("-pub").removesuffix("-rec")
+        processes = "2" if router.endswith("-2p") else "1"
         # Capacity, not load shedding, is measured: no bound on the requests in flight (the
         # default sheds past 256 when the workers' slots are unknown, as with --attach-*).
         argv = [sys.executable, "-m", "eldr_cli", "serve", "--policy", policy, "--port",
@@ -218,9 +221,9 @@ def start_router(name: str, port: int, prefill: list[str], decode: list[str],
             argv += ["--attach-decode", url]
             if subscribes(name):
                 argv += ["--attach-batch", batches[i]]
-        if name.endswith("-rec"):
+        if router.endswith("-rec"):
             argv += ["--record", "--record-to", str(recorded(home, name))]
-        if name in KV_AWARE:
+        if router in KV_AWARE:
             for endpoint in kv_events:  # prefill workers first, as --attach-* lists them
                 argv += ["--attach-kv-events", endpoint]
     log = (home / f"{name}.log").open("wb")
@@ -494,7 +497,7 @@ def measure_set(args: argparse.Namespace, routers: list[str], work: list[tuple[s
                     print(kv_state(url, home / f"{router}-kv-state.json"), flush=True)
             finally:
                 stop(proc)
-            if router.endswith("-rec"):
+            if kind(router).endswith("-rec"):
                 from stages.signature.dataset import SignatureDataset
 
                 print(f"{router}: {len(SignatureDataset.open(recorded(home, router)))} rows"

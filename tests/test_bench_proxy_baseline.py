@@ -44,6 +44,14 @@ def test_a_base_router_starts_from_the_baseline_checkout(
     assert old["argv"] == new["argv"]
     assert old["argv"][old["argv"].index("--policy") + 1] == "eldr-kv"
     assert "--attach-kv-events" in old["argv"]
+    # A base router records and logs apart from the same router of this checkout.
+    recording = (1234, ["http://p"], ["http://d"], ["tcp://b"], [], tmp_path)
+    bench_proxy.start_router("eldr-union-rec@base", *recording, baseline=base)
+    bench_proxy.start_router("eldr-union-rec", *recording, baseline=base)
+    old_rec, new_rec = (run["argv"][run["argv"].index("--record-to") + 1]
+                        for run in started[2:])
+    assert old_rec != new_rec
+    assert (tmp_path / "eldr-union-rec@base.log").exists()
 
 
 def os_pythonpath() -> str | None:
